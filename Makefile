@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make demo` runs the main job on a built-in preset,
+# `make test` runs the test suite. Both create .venv and install what they need.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# The dev environment is pinned; pyproject.toml accepts a range for users with CUDA builds.
+PINS := torch==2.13.0 transformers==5.24.0 accelerate==1.15.0 peft==0.21.2 pytest==9.2.0 hypothesis==6.170.17
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(PINS)
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $@
+
+demo: setup
+	$(BIN)/llamem estimate llama-3.1-8b --task lora --batch 2 --seq 4096
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python benchmarks/analytic_speed.py
+	$(BIN)/python benchmarks/accuracy.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,20 @@
+"""Small helpers every analytic module shares."""
+
+from __future__ import annotations
+
+from llamem.dtypes import DTYPE_BYTES
+
+BLOCK_BYTES = 512
+"""The CUDA caching allocator rounds every tensor up to a multiple of 512 bytes."""
+
+
+def r512(num_bytes: float) -> int:
+    """Bytes one tensor occupies in the allocator: rounded up to 512, at least 512 (0 stays 0)."""
+    num_bytes = int(-(-num_bytes // 1))
+    if num_bytes <= 0:
+        return 0
+    return -(-num_bytes // BLOCK_BYTES) * BLOCK_BYTES
+
+
+def tensor_bytes(numel: int, dtype: str) -> int:
+    return r512(numel * DTYPE_BYTES[dtype])

@@ -1,0 +1,86 @@
+"""Optimizer state and the optimizer step's temporaries, tensor by tensor.
+
+- AdamW (torch, foreach=True as on CUDA): exp_avg and exp_avg_sq in the parameter's dtype,
+  a 1-element fp32 `step` per parameter; `_foreach_sqrt(exp_avg_sq)` makes one temporary
+  as large as all parameters of a dtype group.
+- SGD (momentum 0.9): one momentum buffer per parameter, no temporary.
+- Adafactor (torch): factored second moment: a row and a column vector per matrix, the full
+  tensor for vectors; the update materialises row x column: one parameter-sized temporary.
+- AdamW8bit (bitsandbytes, blockwise): two uint8 moments plus one fp32 absmax per block of
+  256 for tensors of at least 4096 elements, fp32 moments below; its kernel is fused.
+"""
+
+from __future__ import annotations
+
+from llamem.analytic.common import r512
+from llamem.analytic.weights import trainable_numels
+from llamem.dtypes import DTYPE_BYTES
+from llamem.model import ModelSpec
+from llamem.workload import Workload
+
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
+
+
+def param_dtype(spec: ModelSpec, workload: Workload) -> str:
+    return "fp32" if workload.uses_adapters else workload.weight_dtype
+
+
+def optimizer_state_bytes(spec: ModelSpec, workload: Workload) -> dict[str, int]:
+    numels = trainable_numels(spec, workload)
+    dtype_bytes = DTYPE_BYTES[param_dtype(spec, workload)]
+    count = len(numels)
+    if workload.optimizer == "adamw":
+        moment = sum(r512(n * dtype_bytes) for n in numels)
+        return {"optimizer/exp_avg": moment, "optimizer/exp_avg_sq": moment, "optimizer/step": count * 512}
+    if workload.optimizer == "sgd":
+        return {"optimizer/momentum_buffer": sum(r512(n * dtype_bytes) for n in numels)}
+    if workload.optimizer == "adafactor":
+        return _adafactor_state(spec, workload, dtype_bytes)
+    big = [n for n in numels if n >= BNB_MIN_8BIT_SIZE]
+    small = [n for n in numels if n < BNB_MIN_8BIT_SIZE]
+    moment = sum(r512(n) for n in big) + sum(r512(4 * n) for n in small)
+    absmax = sum(r512(4 * -(-n // BNB_BLOCK)) for n in big)
+    return {"optimizer/state1": moment, "optimizer/state2": moment,
+            "optimizer/absmax1": absmax, "optimizer/absmax2": absmax, "optimizer/step": count * 512}
+
+
+def _adafactor_state(spec: ModelSpec, workload: Workload, dtype_bytes: float) -> dict[str, int]:
+    row = col = variance = 0
+    for fan_in, fan_out in _trainable_shapes(spec, workload):
+        if fan_in == 1:
+            variance += r512(fan_out * dtype_bytes)
+        else:
+            row += r512(fan_out * dtype_bytes)
+            col += r512(fan_in * dtype_bytes)
+    count = len(trainable_numels(spec, workload))
+    return {"optimizer/row_var": row, "optimizer/col_var": col, "optimizer/variance": variance,
+            "optimizer/step": count * 512}
+
+
+def _trainable_shapes(spec: ModelSpec, workload: Workload) -> list[tuple[int, int]]:
+    """(columns, rows) of each trainable tensor; vectors are (1, n)."""
+    if workload.uses_adapters:
+        shapes = []
+        for name in workload.lora_targets:
+            fan_in, fan_out = spec.layer_linear_shapes()[name]
+            shapes += [(fan_in, workload.lora_rank), (workload.lora_rank, fan_out)]
+        return shapes * spec.num_layers
+    h = spec.hidden_size
+    layer = [(1, h), (1, h)] + list(spec.layer_linear_shapes().values())
+    shapes = [(h, spec.vocab_size)] + layer * spec.num_layers + [(1, h)]
+    if spec.lm_head_params:
+        shapes.append((h, spec.vocab_size))
+    return shapes
+
+
+def gradient_bytes(spec: ModelSpec, workload: Workload) -> int:
+    dtype_bytes = DTYPE_BYTES[param_dtype(spec, workload)]
+    return sum(r512(n * dtype_bytes) for n in trainable_numels(spec, workload))
+
+
+def step_temporary_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """The largest transient of optimizer.step() (foreach AdamW's sqrt, Adafactor's row x col)."""
+    if workload.optimizer in ("adamw", "adafactor"):
+        return gradient_bytes(spec, workload)
+    return 0

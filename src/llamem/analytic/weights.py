@@ -1,0 +1,129 @@
+"""Weights, LoRA adapters and quantization scales, tensor by tensor.
+
+Every parameter is its own allocation, so each is rounded to 512 bytes separately,
+exactly as the caching allocator (and the trace) counts it.
+
+Quantized linears (decoder layers only; the embedding, norms and lm_head stay in the
+compute dtype, as bitsandbytes' `load_in_4bit/8bit` leaves them):
+- int8 (LLM.int8): 1 byte per weight + one fp32 scale per output row.
+- nf4 / int4 (bitsandbytes 4-bit): 0.5 byte per weight + one fp32 absmax per block of 64
+  (double quantization off).
+"""
+
+from __future__ import annotations
+
+from llamem.analytic.common import r512, tensor_bytes
+from llamem.model import ModelSpec
+from llamem.workload import Workload
+
+NF4_BLOCK = 64
+
+
+def linear_weight_bytes(fan_in: int, fan_out: int, dtype: str, quant: str) -> tuple[int, int]:
+    """(weight bytes, scale bytes) of one linear layer's weight."""
+    numel = fan_in * fan_out
+    if quant == "none":
+        return tensor_bytes(numel, dtype), 0
+    if quant == "int8":
+        return r512(numel), r512(4 * fan_out)
+    return r512((numel + 1) // 2), r512(4 * -(-numel // NF4_BLOCK))
+
+
+def layer_weight_bytes(spec: ModelSpec, dtype: str, quant: str = "none") -> tuple[int, int]:
+    """(weights, quantization scales) of one decoder layer: 7 linears, 2 RMSNorm weights, biases."""
+    weights = 2 * tensor_bytes(spec.hidden_size, dtype)
+    scales = 0
+    for name, (fan_in, fan_out) in spec.layer_linear_shapes().items():
+        w, s = linear_weight_bytes(fan_in, fan_out, dtype, quant)
+        weights, scales = weights + w, scales + s
+        has_bias = spec.mlp_bias if name in ("gate_proj", "up_proj", "down_proj") else spec.attention_bias
+        weights += tensor_bytes(fan_out, dtype) if has_bias else 0
+    return weights, scales
+
+
+def rope_buffer_bytes(spec: ModelSpec) -> int:
+    """inv_freq and original_inv_freq: head_dim/2 fp32 values each."""
+    return 2 * tensor_bytes(spec.head_dim // 2, "fp32")
+
+
+def model_weight_bytes(spec: ModelSpec, dtype: str, quant: str = "none") -> tuple[int, int]:
+    """(weights, quantization scales) of the whole model; a tied head adds nothing."""
+    per_layer, per_layer_scales = layer_weight_bytes(spec, dtype, quant)
+    embedding = tensor_bytes(spec.embedding_params, dtype)
+    head = tensor_bytes(spec.lm_head_params, dtype) if spec.lm_head_params else 0
+    final_norm = tensor_bytes(spec.hidden_size, dtype)
+    total = spec.num_layers * per_layer + embedding + head + final_norm + rope_buffer_bytes(spec)
+    return total, spec.num_layers * per_layer_scales
+
+
+def lora_shapes(spec: ModelSpec, workload: Workload) -> list[tuple[int, int]]:
+    """(fan_in, fan_out) of every adapted linear in one layer."""
+    shapes = spec.layer_linear_shapes()
+    return [shapes[name] for name in workload.lora_targets]
+
+
+def lora_tensor_sizes(spec: ModelSpec, workload: Workload) -> list[int]:
+    """Bytes of every LoRA tensor in the model (A: r x in, B: out x r; fp32 as peft keeps them)."""
+    rank = workload.lora_rank
+    dtype = adapter_dtype(workload)
+    per_layer = []
+    for fan_in, fan_out in lora_shapes(spec, workload):
+        per_layer += [tensor_bytes(rank * fan_in, dtype), tensor_bytes(rank * fan_out, dtype)]
+    return per_layer * spec.num_layers
+
+
+def adapter_dtype(workload: Workload) -> str:
+    """peft's autocast_adapter_dtype=True upcasts bf16/fp16 adapters to fp32."""
+    return "fp32"
+
+
+def trainable_tensor_sizes(spec: ModelSpec, workload: Workload) -> list[int]:
+    """Bytes of every trainable tensor, in its storage dtype: what gradients and optimizer state mirror."""
+    if workload.uses_adapters:
+        return lora_tensor_sizes(spec, workload)
+    dtype = workload.weight_dtype
+    h = spec.hidden_size
+    sizes = [tensor_bytes(spec.embedding_params, dtype)]
+    layer = [tensor_bytes(h, dtype)] * 2
+    for name, (fan_in, fan_out) in spec.layer_linear_shapes().items():
+        layer.append(tensor_bytes(fan_in * fan_out, dtype))
+        has_bias = spec.mlp_bias if name in ("gate_proj", "up_proj", "down_proj") else spec.attention_bias
+        if has_bias:
+            layer.append(tensor_bytes(fan_out, dtype))
+    sizes += layer * spec.num_layers + [tensor_bytes(h, dtype)]
+    if spec.lm_head_params:
+        sizes.append(tensor_bytes(spec.lm_head_params, dtype))
+    return sizes
+
+
+def trainable_numels(spec: ModelSpec, workload: Workload) -> list[int]:
+    """Element counts of the trainable tensors (same order as trainable_tensor_sizes)."""
+    if workload.uses_adapters:
+        rank = workload.lora_rank
+        per_layer = []
+        for fan_in, fan_out in lora_shapes(spec, workload):
+            per_layer += [rank * fan_in, rank * fan_out]
+        return per_layer * spec.num_layers
+    h = spec.hidden_size
+    numels = [spec.embedding_params]
+    layer = [h, h]
+    for name, (fan_in, fan_out) in spec.layer_linear_shapes().items():
+        layer.append(fan_in * fan_out)
+        has_bias = spec.mlp_bias if name in ("gate_proj", "up_proj", "down_proj") else spec.attention_bias
+        if has_bias:
+            layer.append(fan_out)
+    numels += layer * spec.num_layers + [h]
+    if spec.lm_head_params:
+        numels.append(spec.lm_head_params)
+    return numels
+
+
+def autocast_copy_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """Mixed precision: autocast caches a compute-dtype copy of every Linear weight (not the
+    embedding or norms) for the whole forward, and autograd keeps it until backward is done."""
+    if not workload.mixed:
+        return 0
+    dtype = workload.compute_dtype
+    per_layer = sum(tensor_bytes(i * o, dtype) for i, o in spec.layer_linear_shapes().values())
+    head = tensor_bytes(spec.vocab_size * spec.hidden_size, dtype)
+    return spec.num_layers * per_layer + head

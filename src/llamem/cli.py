@@ -1,0 +1,129 @@
+"""`llamem` command line. Commands parse and orchestrate; reporters render; only `main` exits."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from llamem.errors import LlamemError
+from llamem.model import load_model, parse_overrides
+from llamem.workload import build_workload, parse_ac, parse_targets
+
+TASKS = ["infer", "train", "lora", "qlora", "distill"]
+
+
+def workload_options(command):
+    """The options shared by estimate and trace (and later plan): one definition, one meaning."""
+    options = [
+        click.argument("model", required=False),
+        click.option("--config", "config_path", type=click.Path(), help="A local LLaMA/Mistral config.json."),
+        click.option("--override", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help="Change a config field, e.g. num_hidden_layers=8 (pruning, quick runs)."),
+        click.option("--task", type=click.Choice(TASKS), default="train", show_default=True),
+        click.option("--batch", type=int, help="Micro-batch size.  [default: 1]"),
+        click.option("--seq", type=int, help="Tokens per sequence (prompt length for infer).  [default: 2048]"),
+        click.option("--new-tokens", type=int, help="Decode steps (infer).  [default: 256]"),
+        click.option("--precision", help="fp32 | bf16 | fp16 | bf16-mixed | fp16-mixed.  "
+                                         "[default: bf16-mixed for train/distill, bf16 otherwise]"),
+        click.option("--quant", help="none | int8 | nf4 | int4.  [default: nf4 for qlora, none otherwise]"),
+        click.option("--optimizer", help="adamw | adamw8bit | sgd | adafactor.  [default: adamw]"),
+        click.option("--ac", help="Activation checkpointing: none | full | every-K.  [default: none]"),
+        click.option("--attn", help="sdpa | eager.  [default: sdpa]"),
+        click.option("--lora-rank", type=int, help="[default: 8]"),
+        click.option("--lora-targets", help="Comma-separated linears, or 'all'.  [default: q_proj,v_proj]"),
+        click.option("--kv-dtype", help="bf16 | fp16 | fp32 | fp8 | int8 | int4 (infer).  "
+                                        "[default: the compute dtype]"),
+        click.option("--grad-accum", type=int, help="Micro-batches per optimizer step.  [default: 1]"),
+        click.option("--loss", help="full | chunked (logits in 8 chunks).  [default: full]"),
+        click.option("--teacher", help="Teacher model for --task distill."),
+        click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text."),
+    ]
+    return functools.reduce(lambda cmd, option: option(cmd), reversed(options), command)
+
+
+def resolve(model, config_path, overrides, task, ac, lora_targets, **options):
+    """ModelSpec and Workload from the shared options, with every problem reported at once."""
+    spec = load_model(model, config_path=config_path, overrides=parse_overrides(overrides))
+    workload = build_workload(
+        task=task, ac_every=parse_ac(ac) if ac is not None else None,
+        lora_targets=parse_targets(lora_targets) if lora_targets is not None else None, **options)
+    teacher = load_model(workload.teacher) if workload.teacher else None
+    return spec, workload, teacher
+
+
+def emit(report, as_json: bool) -> None:
+    from llamem.reporters.json_report import report_to_dict
+    from llamem.reporters.text import render_report
+
+    click.echo(json.dumps(report_to_dict(report), indent=2) if as_json else render_report(report))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="llamem")
+def app():
+    """Plan and manage GPU memory for LLaMA-family models."""
+
+
+@app.command()
+@workload_options
+def estimate(as_json, **options):
+    """How much memory a workload takes, and where it goes (analytic, no torch)."""
+    from llamem.analytic import estimate as run_estimate
+
+    spec, workload, teacher = resolve(**options)
+    emit(run_estimate(spec, workload, teacher), as_json)
+
+
+@app.command()
+@workload_options
+@click.option("--save-trace", type=click.Path(), help="Write every allocation and free as JSON.")
+def trace(as_json, save_trace, **options):
+    """The same report, exact: runs the real transformers code on fake tensors (needs torch)."""
+    spec, workload, teacher = resolve(**options)
+    from llamem.trace.api import run_trace
+
+    report = run_trace(spec, workload, teacher, save_trace=save_trace)
+    emit(report, as_json)
+
+
+@app.command()
+@click.option("--json", "as_json", is_flag=True)
+def models(as_json):
+    """List the built-in model presets with their parameter counts."""
+    from llamem.model import preset_names
+
+    specs = [load_model(name) for name in preset_names()]
+    if as_json:
+        click.echo(json.dumps([{"name": s.name, "hf_id": s.hf_id, "num_params": s.num_params,
+                                "num_layers": s.num_layers, "hidden_size": s.hidden_size,
+                                "num_kv_heads": s.num_kv_heads, "vocab_size": s.vocab_size,
+                                "source": s.source} for s in specs], indent=2))
+        return
+    click.echo(f"{'name':<18} {'params':>9}  {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} {'vocab':>7}  hf id")
+    for s in specs:
+        click.echo(f"{s.name:<18} {s.num_params / 1e9:>8.2f}B  {s.num_layers:>6} {s.hidden_size:>6} "
+                   f"{s.num_heads:>5} {s.num_kv_heads:>3} {s.vocab_size:>7}  {s.hf_id}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        app.main(args=argv, prog_name="llamem", standalone_mode=False)
+    except LlamemError as err:
+        click.echo(f"error: {err}", err=True)
+        return err.exit_code
+    except click.exceptions.Exit as err:
+        return err.exit_code
+    except click.ClickException as err:
+        err.show()
+        return err.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

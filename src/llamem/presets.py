@@ -1,0 +1,113 @@
+"""Model presets: the `config.json` fields that decide memory, each citing its source.
+
+Keys are Hugging Face config names, so `--override` and `--config` speak the same
+language as the presets. Only fields that change memory or the parameter count are
+kept; everything else in the original file is irrelevant here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Shared shapes. Each preset below cites the config.json its numbers come from.
+_LLAMA1 = dict(model_type="llama", vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-6,
+               rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float16")
+_LLAMA2 = dict(model_type="llama", vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+               rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float16")
+_CODELLAMA = dict(model_type="llama", vocab_size=32016, max_position_embeddings=16384, rms_norm_eps=1e-5,
+                  rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="bfloat16")
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+               rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16")
+_LLAMA31 = dict(_LLAMA3, max_position_embeddings=131072)
+
+
+def _dims(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **extra: Any) -> dict:
+    return dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, **extra)
+
+
+# name -> (Hugging Face id, source of the numbers, config fields)
+PRESETS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # LLaMA 1: https://huggingface.co/huggyllama/llama-7b/blob/main/config.json (and -13b, -30b, -65b)
+    "llama-7b": ("huggyllama/llama-7b", "huggyllama/llama-7b config.json",
+                 dict(_LLAMA1, **_dims(4096, 11008, 32, 32, 32))),
+    "llama-13b": ("huggyllama/llama-13b", "huggyllama/llama-13b config.json",
+                  dict(_LLAMA1, **_dims(5120, 13824, 40, 40, 40))),
+    "llama-33b": ("huggyllama/llama-30b", "huggyllama/llama-30b config.json (the '33B' model)",
+                  dict(_LLAMA1, **_dims(6656, 17920, 60, 52, 52))),
+    "llama-65b": ("huggyllama/llama-65b", "huggyllama/llama-65b config.json",
+                  dict(_LLAMA1, **_dims(8192, 22016, 80, 64, 64))),
+    # Llama 2: https://huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json (and -13b, -70b)
+    "llama-2-7b": ("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf config.json",
+                   dict(_LLAMA2, **_dims(4096, 11008, 32, 32, 32))),
+    "llama-2-13b": ("meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-13b-hf config.json",
+                    dict(_LLAMA2, **_dims(5120, 13824, 40, 40, 40))),
+    "llama-2-70b": ("meta-llama/Llama-2-70b-hf", "meta-llama/Llama-2-70b-hf config.json",
+                    dict(_LLAMA2, **_dims(8192, 28672, 80, 64, 8))),
+    # Code Llama: https://huggingface.co/codellama/CodeLlama-7b-hf/blob/main/config.json (and -13b, -34b, -70b)
+    "codellama-7b": ("codellama/CodeLlama-7b-hf", "codellama/CodeLlama-7b-hf config.json",
+                     dict(_CODELLAMA, **_dims(4096, 11008, 32, 32, 32))),
+    "codellama-13b": ("codellama/CodeLlama-13b-hf", "codellama/CodeLlama-13b-hf config.json",
+                      dict(_CODELLAMA, **_dims(5120, 13824, 40, 40, 40))),
+    # The 34B model dropped the 16 infilling tokens: vocab 32000.
+    "codellama-34b": ("codellama/CodeLlama-34b-hf", "codellama/CodeLlama-34b-hf config.json",
+                      dict(_CODELLAMA, vocab_size=32000, **_dims(8192, 22016, 48, 64, 8))),
+    "codellama-70b": ("codellama/CodeLlama-70b-hf", "codellama/CodeLlama-70b-hf config.json",
+                      dict(_CODELLAMA, **_dims(8192, 28672, 80, 64, 8))),
+    # Llama 3: https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json (and -70B)
+    "llama-3-8b": ("meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-8B config.json",
+                   dict(_LLAMA3, **_dims(4096, 14336, 32, 32, 8))),
+    "llama-3-70b": ("meta-llama/Meta-Llama-3-70B", "meta-llama/Meta-Llama-3-70B config.json",
+                    dict(_LLAMA3, **_dims(8192, 28672, 80, 64, 8))),
+    # Llama 3.1: https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json (and -70B, -405B)
+    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B config.json",
+                     dict(_LLAMA31, **_dims(4096, 14336, 32, 32, 8))),
+    "llama-3.1-70b": ("meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-70B config.json",
+                      dict(_LLAMA31, **_dims(8192, 28672, 80, 64, 8))),
+    "llama-3.1-405b": ("meta-llama/Llama-3.1-405B", "meta-llama/Llama-3.1-405B config.json",
+                       dict(_LLAMA31, **_dims(16384, 53248, 126, 128, 8))),
+    # Llama 3.2: https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json (and -3B); tied embeddings
+    "llama-3.2-1b": ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B config.json",
+                     dict(_LLAMA31, tie_word_embeddings=True, head_dim=64, **_dims(2048, 8192, 16, 32, 8))),
+    "llama-3.2-3b": ("meta-llama/Llama-3.2-3B", "meta-llama/Llama-3.2-3B config.json",
+                     dict(_LLAMA31, tie_word_embeddings=True, head_dim=128, **_dims(3072, 8192, 28, 24, 8))),
+    # Llama 3.3: https://huggingface.co/meta-llama/Llama-3.3-70B-Instruct/blob/main/config.json
+    "llama-3.3-70b": ("meta-llama/Llama-3.3-70B-Instruct", "meta-llama/Llama-3.3-70B-Instruct config.json",
+                      dict(_LLAMA31, **_dims(8192, 28672, 80, 64, 8))),
+    # https://huggingface.co/TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T/blob/main/config.json
+    "tinyllama-1.1b": ("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+                       "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json",
+                       dict(_LLAMA2, max_position_embeddings=2048, torch_dtype="float32",
+                            **_dims(2048, 5632, 22, 32, 4))),
+    # https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json: sliding window 4096
+    "mistral-7b-v0.1": ("mistralai/Mistral-7B-v0.1", "mistralai/Mistral-7B-v0.1 config.json",
+                        dict(model_type="mistral", vocab_size=32000, max_position_embeddings=32768,
+                             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                             sliding_window=4096, torch_dtype="bfloat16", **_dims(4096, 14336, 32, 32, 8))),
+    # A tiny model for tests and quick traces: GQA (4 heads, 2 KV heads), untied head.
+    "debug": ("llamem/debug", "llamem built-in test model",
+              dict(model_type="llama", vocab_size=1024, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                   rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32",
+                   **_dims(256, 688, 4, 4, 2))),
+}
+
+# Other spellings people type, mapped to a preset.
+ALIASES: dict[str, str] = {
+    "llama-30b": "llama-33b",
+    "llama-3.3-70b-instruct": "llama-3.3-70b",
+    "mistral-7b": "mistral-7b-v0.1",
+    "tinyllama": "tinyllama-1.1b",
+    "TinyLlama/TinyLlama-1.1B-Chat-v1.0": "tinyllama-1.1b",
+    "meta-llama/Llama-2-7b-chat-hf": "llama-2-7b",
+    "meta-llama/Llama-2-13b-chat-hf": "llama-2-13b",
+    "meta-llama/Llama-2-70b-chat-hf": "llama-2-70b",
+    "meta-llama/Meta-Llama-3-8B-Instruct": "llama-3-8b",
+    "meta-llama/Meta-Llama-3-70B-Instruct": "llama-3-70b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "meta-llama/Meta-Llama-3.1-8B": "llama-3.1-8b",
+    "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
+    "meta-llama/Llama-3.1-405B-Instruct": "llama-3.1-405b",
+    "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
+    "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
+    "mistralai/Mistral-7B-Instruct-v0.1": "mistral-7b-v0.1",
+}

@@ -1,0 +1,1 @@
+"""Reporters render reports; they compute nothing. Human text and --json come from the same object."""

@@ -1,0 +1,240 @@
+"""Run a workload on fake tensors under the storage tracer and return a MemoryReport.
+
+Training runs two optimizer steps (the first creates the optimizer state; phases are
+recorded on the second, the steady state). Inference runs a prefill and the decode steps
+with the transformers DynamicCache, as `generate` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from llamem.model import ModelSpec
+from llamem.report import MemoryReport
+from llamem.trace.build import TORCH_DTYPES, build_meta_model
+from llamem.trace.tracer import StorageTracer
+from llamem.workload import LOSS_CHUNKS, Workload
+
+TRAIN_PHASES = ["load", "forward", "backward", "optimizer"]
+INFER_PHASES = ["load", "prefill", "decode"]
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
+
+
+def trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None) -> MemoryReport:
+    warnings.filterwarnings("ignore")
+    notes: list[str] = []
+    model = build_meta_model(spec, workload)
+    teacher_model = build_meta_model(teacher, _teacher_workload(workload), dtype=torch.bfloat16) if teacher else None
+    tracer = StorageTracer()
+    with FakeTensorMode(allow_non_fake_inputs=True), tracer:
+        model = _materialise(model, tracer, "weights")
+        if teacher_model is not None:
+            teacher_model = _materialise(teacher_model, tracer, "weights/teacher").eval()
+        _install_category_hooks(model, tracer)
+        if workload.is_training:
+            optimizer = _make_optimizer(model, workload, notes)
+            _train(model, teacher_model, optimizer, workload, spec, tracer)
+            phases = TRAIN_PHASES
+        else:
+            _infer(model, workload, spec, tracer)
+            phases = INFER_PHASES
+    if workload.quant != "none":
+        notes.append(f"{workload.quant} layers emulated with bitsandbytes' exact byte counts "
+                     "(bitsandbytes cannot run on fake tensors)")
+    return MemoryReport(model=spec, workload=workload, engine="trace", phases=tracer.phase_peaks(phases),
+                        notes=tuple(notes), extra={"events": tracer, "num_events": len(tracer.events)})
+
+
+def _teacher_workload(workload: Workload) -> Workload:
+    return Workload(task="infer", precision="bf16", attn=workload.attn)
+
+
+def _materialise(model, tracer: StorageTracer, category: str):
+    tracer.phase, tracer.category = "load", category
+    model = model.to_empty(device="cpu")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    for name, param in model.named_parameters():
+        tracer.label(param, "weights/adapters" if "lora_" in name else category)
+    for name, buffer in model.named_buffers():
+        tracer.label(buffer, "weights/quant_scales" if name.endswith("scales") else category)
+    return model
+
+
+def _decoder(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model
+
+
+def _install_category_hooks(model, tracer: StorageTracer) -> None:
+    """Label allocations by where they happen: decoder modules make activations, the head makes logits."""
+    decoder = _decoder(model)
+    stack: list[str] = []
+
+    def enter(module, args):
+        stack.append(tracer.category)
+        tracer.category = "activations" if torch.is_grad_enabled() else "temporaries"
+
+    def leave(module, args, output):
+        tracer.category = stack.pop()
+
+    # Checkpointing wraps a layer's forward, not __call__: hook the submodules so a recompute is seen too.
+    for layer in decoder.layers:
+        for sub in (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+            sub.register_forward_pre_hook(enter)
+            sub.register_forward_hook(leave)
+    decoder.embed_tokens.register_forward_pre_hook(enter)
+    decoder.embed_tokens.register_forward_hook(lambda m, a, o: setattr(tracer, "category", stack.pop() and (
+        "activations" if torch.is_grad_enabled() else "temporaries")))
+
+    def after_final_norm(module, args, output):
+        tracer.category = "logits"
+        if output.requires_grad:
+            # Backward reaches the decoder once the head's gradients are done: from here on, temporaries.
+            output.register_hook(lambda grad: setattr(tracer, "category", "temporaries"))
+
+    decoder.norm.register_forward_pre_hook(lambda m, a: setattr(
+        tracer, "category", "activations" if torch.is_grad_enabled() else "temporaries"))
+    decoder.norm.register_forward_hook(after_final_norm)
+
+
+class Emulated8bitAdamW(torch.optim.Optimizer):
+    """bitsandbytes AdamW8bit's state, byte for byte: uint8 moments with one fp32 absmax per block
+    of 256 for tensors of at least 4096 elements, fp32 moments below. Its fused kernel updates in place."""
+
+    def __init__(self, params, lr=1e-4):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    if param.numel() >= BNB_MIN_8BIT_SIZE:
+                        blocks = math.ceil(param.numel() / BNB_BLOCK)
+                        state["state1"] = torch.zeros_like(param, dtype=torch.uint8)
+                        state["state2"] = torch.zeros_like(param, dtype=torch.uint8)
+                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=param.device)
+                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=param.device)
+                    else:
+                        state["state1"] = torch.zeros_like(param, dtype=torch.float32)
+                        state["state2"] = torch.zeros_like(param, dtype=torch.float32)
+                param.add_(param.grad, alpha=-group["lr"])
+
+
+def _make_optimizer(model, workload: Workload, notes: list[str]):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if workload.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if workload.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)
+    if workload.optimizer == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2, foreach=True)
+    notes.append("adamw8bit: bitsandbytes' state emulated byte for byte (its kernels cannot run on fake tensors)")
+    return Emulated8bitAdamW(params)
+
+
+def _autocast(workload: Workload):
+    if workload.mixed:
+        return torch.autocast("cpu", dtype=TORCH_DTYPES[workload.compute_dtype])
+    return contextlib.nullcontext()
+
+
+def _inputs(workload: Workload, spec: ModelSpec, tracer: StorageTracer):
+    tracer.category = "inputs"
+    ids = torch.randint(0, spec.vocab_size, (workload.batch, workload.seq))
+    tracer.label(ids, "inputs")
+    return ids
+
+
+def _loss(model, teacher, ids, workload: Workload):
+    if workload.loss == "chunked":
+        return _chunked_loss(model, ids)
+    if teacher is None:
+        return model(input_ids=ids, labels=ids).loss
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=ids).logits
+    out = model(input_ids=ids, labels=ids)
+    return 0.5 * out.loss + 0.5 * _kl(out.logits, teacher_logits)
+
+
+def _kl(student_logits, teacher_logits):
+    """Forward KL on fp32 upcasts, as distillation recipes compute it."""
+    student = torch.nn.functional.log_softmax(student_logits.float(), dim=-1)
+    teacher = torch.nn.functional.log_softmax(teacher_logits.float(), dim=-1)
+    return torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean")
+
+
+def _chunked_loss(model, ids):
+    """torchtune's CEWithChunkedOutputLoss: the head runs per chunk, each chunk upcast on its own."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.model(input_ids=ids).last_hidden_state
+    labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[..., 1:]
+    total = 0.0
+    for h_chunk, y_chunk in zip(hidden.chunk(LOSS_CHUNKS, dim=1), labels.chunk(LOSS_CHUNKS, dim=1)):
+        logits = base.lm_head(h_chunk).float()
+        total = total + torch.nn.functional.cross_entropy(logits.flatten(0, 1), y_chunk.flatten(), reduction="sum")
+    return total / ids.numel()
+
+
+def _train(model, teacher, optimizer, workload: Workload, spec: ModelSpec, tracer: StorageTracer) -> None:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for step in range(2):
+        for _micro in range(workload.grad_accum):
+            tracer.phase = "forward" if step else "warmup"
+            ids = _inputs(workload, spec, tracer)
+            tracer.category = "activations"
+            with _autocast(workload):
+                loss = _loss(model, teacher, ids, workload) / workload.grad_accum
+            tracer.phase, tracer.category = ("backward" if step else "warmup"), "logits"
+            loss.backward()
+            del loss, ids
+            for param in trainable:
+                if param.grad is not None:
+                    tracer.label(param.grad, "gradients")
+        tracer.phase, tracer.category = ("optimizer" if step else "warmup"), "temporaries"
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0, foreach=True)
+        optimizer.step()
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    tracer.label(value, f"optimizer/{key}")
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _infer(model, workload: Workload, spec: ModelSpec, tracer: StorageTracer) -> None:
+    from transformers import DynamicCache
+
+    model.eval()
+    with torch.no_grad():
+        tracer.phase = "prefill"
+        ids = _inputs(workload, spec, tracer)
+        cache = DynamicCache(config=model.config)
+        tracer.category = "temporaries"
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        _label_cache(cache, tracer)
+        for _ in range(max(workload.new_tokens - 1, 0)):
+            # generate(): an fp32 copy of the last logits, then the next token.
+            next_ids = out.logits[:, -1, :].to(copy=True, dtype=torch.float32).argmax(-1, keepdim=True)
+            del out
+            tracer.phase, tracer.category = "decode", "temporaries"
+            out = model(input_ids=next_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            _label_cache(cache, tracer)
+        del out
+
+
+def _label_cache(cache, tracer: StorageTracer) -> None:
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                tracer.label(tensor, "kv_cache")

@@ -1,0 +1,59 @@
+"""Byte units. llamem keeps integer bytes inside and converts only here and in reporters.
+
+GiB (2**30) is what memory is printed in; GB (10**9) is only for a vendor's card size.
+"""
+
+from __future__ import annotations
+
+import re
+
+from llamem.errors import LlamemError
+
+KiB = 2**10
+MiB = 2**20
+GiB = 2**30
+TiB = 2**40
+KB = 10**3
+MB = 10**6
+GB = 10**9
+TB = 10**12
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+    "kb": KB, "mb": MB, "gb": GB, "tb": TB,
+    "k": KiB, "m": MiB, "g": GiB, "t": TiB,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """'22GiB' -> 23622320128. Bare K/M/G mean binary units, as PyTorch's allocator does."""
+    match = _SIZE_RE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise LlamemError(
+            f"cannot read size {text!r}: write a number and a unit, for example 22GiB, 80GB or 512MiB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def to_gib(num_bytes: int) -> float:
+    return num_bytes / GiB
+
+
+def to_gb(num_bytes: int) -> float:
+    return num_bytes / GB
+
+
+def format_gib(num_bytes: int, digits: int = 2) -> str:
+    return f"{num_bytes / GiB:.{digits}f} GiB"
+
+
+def format_bytes(num_bytes: int) -> str:
+    """Human-readable size in binary units, for small quantities too."""
+    size = abs(num_bytes)
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if size >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes} B"

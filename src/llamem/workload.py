@@ -1,0 +1,200 @@
+"""Workload: what is run on the model. Frozen, validated before any work, errors name the fix.
+
+Defaults are what a typical transformers + peft user gets:
+
+- `train`, `distill`: fp32 weights with bf16 autocast (`bf16-mixed`, the Trainer's `bf16=True`
+  on a model loaded in fp32), torch AdamW.
+- `lora`: base weights in bf16, peft defaults r=8 on q_proj and v_proj, adapters kept in fp32
+  (peft's `autocast_adapter_dtype=True`).
+- `qlora`: like lora, base weights NF4 (bitsandbytes, blocksize 64, double quantization off).
+- `infer`: bf16 weights, SDPA, a bf16 KV cache, 256 new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal, get_args
+
+from llamem.errors import InvalidWorkload
+
+Task = Literal["infer", "train", "lora", "qlora", "distill"]
+Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed"]
+Quant = Literal["none", "int8", "nf4", "int4"]
+Optimizer = Literal["adamw", "adamw8bit", "sgd", "adafactor"]
+Attention = Literal["sdpa", "eager"]
+KVDType = Literal["bf16", "fp16", "fp32", "fp8", "int8", "int4"]
+Loss = Literal["full", "chunked"]
+
+TRAINING_TASKS = ("train", "lora", "qlora", "distill")
+ADAPTER_TASKS = ("lora", "qlora")
+LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS_DEFAULT = ("q_proj", "v_proj")
+LOSS_CHUNKS = 8
+"""Chunks of the sequence in `--loss chunked` (torchtune's CEWithChunkedOutputLoss uses 8)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """A fully resolved workload: no field is left to a default at estimate time."""
+
+    task: Task = "train"
+    """infer: prefill + decode with a KV cache; train: full fine-tune; lora/qlora: adapters on a frozen
+    (quantized) base; distill: frozen teacher forward + student training."""
+    batch: int = 1
+    """Micro-batch size: sequences per forward pass."""
+    seq: int = 2048
+    """Tokens per sequence (the prompt length for infer)."""
+    new_tokens: int = 0
+    """Decode steps after the prompt (infer only)."""
+    precision: Precision = "bf16-mixed"
+    """fp32 | bf16 | fp16 (pure: weights and compute in that dtype) | bf16-mixed | fp16-mixed
+    (fp32 master weights, autocast compute)."""
+    quant: Quant = "none"
+    """Weight quantization of the frozen base: int8 (LLM.int8), nf4 (QLoRA), int4 (int4 weight-only)."""
+    optimizer: Optimizer = "adamw"
+    ac_every: int = 0
+    """Activation checkpointing: 0 none, 1 every layer (full), K every K-th layer."""
+    attn: Attention = "sdpa"
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] = LORA_TARGETS_DEFAULT
+    kv_dtype: KVDType = "bf16"
+    grad_accum: int = 1
+    """Micro-batches per optimizer step: from the second one on, gradients live through forward."""
+    loss: Loss = "full"
+    teacher: str | None = None
+    """Teacher model (distill only): a preset name or Hugging Face id."""
+
+    def __post_init__(self) -> None:
+        problems = _value_problems(self)
+        if problems:
+            raise InvalidWorkload(problems)
+
+    # Derived facts the engines share.
+    @property
+    def is_training(self) -> bool:
+        return self.task in TRAINING_TASKS
+
+    @property
+    def uses_adapters(self) -> bool:
+        return self.task in ADAPTER_TASKS
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision.endswith("-mixed")
+
+    @property
+    def weight_dtype(self) -> str:
+        """dtype the (non-quantized) weights are stored in."""
+        return "fp32" if self.mixed or self.precision == "fp32" else self.precision
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.precision.removesuffix("-mixed")
+
+    @property
+    def ac_label(self) -> str:
+        return {0: "none", 1: "full"}.get(self.ac_every, f"every-{self.ac_every}")
+
+
+def _check_choice(problems: list[str], flag: str, value, literal) -> None:
+    choices = get_args(literal)
+    if value not in choices:
+        problems.append(f"{flag} {value!r} is not one of: {', '.join(map(str, choices))}")
+
+
+def _value_problems(w: Workload) -> list[str]:
+    problems: list[str] = []
+    _check_choice(problems, "--task", w.task, Task)
+    _check_choice(problems, "--precision", w.precision, Precision)
+    _check_choice(problems, "--quant", w.quant, Quant)
+    _check_choice(problems, "--optimizer", w.optimizer, Optimizer)
+    _check_choice(problems, "--attn", w.attn, Attention)
+    _check_choice(problems, "--kv-dtype", w.kv_dtype, KVDType)
+    _check_choice(problems, "--loss", w.loss, Loss)
+    for flag, value, low in (("--batch", w.batch, 1), ("--seq", w.seq, 1), ("--new-tokens", w.new_tokens, 0),
+                             ("--grad-accum", w.grad_accum, 1), ("--lora-rank", w.lora_rank, 1),
+                             ("--ac every-K", w.ac_every, 0)):
+        if not isinstance(value, int) or value < low:
+            problems.append(f"{flag} must be an integer >= {low}, got {value!r}")
+    bad_targets = [t for t in w.lora_targets if t not in LORA_TARGETS_ALL]
+    if bad_targets or not w.lora_targets:
+        problems.append(f"--lora-targets {','.join(w.lora_targets)!r}: choose from {','.join(LORA_TARGETS_ALL)} "
+                        "(or 'all')")
+    if w.task == "train" and w.quant != "none":
+        problems.append(f"full fine-tuning cannot update {w.quant} weights: use --task qlora, or --quant none")
+    if w.task == "lora" and w.quant != "none":
+        problems.append(f"LoRA on {w.quant} weights is QLoRA: use --task qlora")
+    if w.task == "qlora" and w.quant == "none":
+        problems.append("qlora needs a quantized base: --quant nf4 (default), int4 or int8")
+    if w.task == "distill" and not w.teacher:
+        problems.append("distill needs a teacher: add --teacher MODEL (for example --teacher llama-3.1-70b)")
+    if w.task != "distill" and w.teacher:
+        problems.append("--teacher only applies to --task distill")
+    if w.task == "infer" and w.precision.endswith("-mixed"):
+        problems.append(f"inference has no master weights: use --precision {w.precision.removesuffix('-mixed')}")
+    if w.task == "qlora" and w.precision.endswith("-mixed"):
+        problems.append("QLoRA keeps a quantized base: use --precision bf16 (adapters stay in fp32)")
+    return problems
+
+
+def parse_ac(text: str) -> int:
+    """'none' -> 0, 'full' -> 1, 'every-2' -> 2."""
+    text = str(text).strip().lower()
+    if text in ("none", "off", "0"):
+        return 0
+    if text in ("full", "on", "1"):
+        return 1
+    if text.startswith("every-") and text[6:].isdigit() and int(text[6:]) >= 1:
+        return int(text[6:])
+    raise InvalidWorkload([f"--ac {text!r}: write none, full, or every-K (for example every-2)"])
+
+
+def parse_targets(text: str | None) -> tuple[str, ...]:
+    if text is None:
+        return LORA_TARGETS_DEFAULT
+    if text.strip().lower() == "all":
+        return LORA_TARGETS_ALL
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+_TASK_ONLY = {
+    "new_tokens": (("infer",), "--new-tokens"),
+    "kv_dtype": (("infer",), "--kv-dtype"),
+    "optimizer": (TRAINING_TASKS, "--optimizer"),
+    "ac_every": (TRAINING_TASKS, "--ac"),
+    "grad_accum": (TRAINING_TASKS, "--grad-accum"),
+    "loss": (TRAINING_TASKS, "--loss"),
+    "lora_rank": (ADAPTER_TASKS, "--lora-rank"),
+    "lora_targets": (ADAPTER_TASKS, "--lora-targets"),
+}
+
+
+def task_defaults(task: str) -> dict:
+    if task == "infer":
+        return dict(precision="bf16", new_tokens=256)
+    if task == "lora":
+        return dict(precision="bf16")
+    if task == "qlora":
+        return dict(precision="bf16", quant="nf4")
+    return dict(precision="bf16-mixed")
+
+
+def build_workload(task: str = "train", **given) -> Workload:
+    """Workload from user options; None means 'the task's default'. Settings that the task
+    would silently ignore are refused, all at once."""
+    given = {k: v for k, v in given.items() if v is not None}
+    problems = []
+    for key, (tasks, flag) in _TASK_ONLY.items():
+        if key in given and task not in tasks:
+            problems.append(f"{flag} only applies to --task {' / '.join(tasks)}, not {task}")
+    if problems:
+        raise InvalidWorkload(problems)
+    options = {**task_defaults(task), **given}
+    if "kv_dtype" not in options and task == "infer":
+        precision = options["precision"]
+        options["kv_dtype"] = "fp32" if precision == "fp32" else precision.removesuffix("-mixed")
+    return Workload(task=task, **options)
+
+
+def with_changes(workload: Workload, **changes) -> Workload:
+    return replace(workload, **changes)
