@@ -101,9 +101,15 @@ def layer_saved_bytes(spec: ModelSpec, workload: Workload, layer_index: int) -> 
 
     attn_rg = flags.input_requires_grad or bool(t & {"q_proj", "k_proj", "v_proj"})
     attention = 0
+    # Without a KV cache (checkpointing turns it off) transformers passes a materialised causal
+    # mask, so SDPA cannot run GQA natively: K and V are repeated to every query head, and SDPA
+    # keeps the mask converted to the compute dtype.
+    masked = workload.ac_every > 0
+    k_dim = q if (masked and spec.gqa_groups > 1) else kv
     if attn_rg:
         if workload.attn == "sdpa":
-            attention += r512(ae * T * q) + 2 * r512(ae * T * kv) + r512(ae * T * q) + r512(4 * b * spec.num_heads * s)
+            attention += r512(ae * T * q) + 2 * r512(ae * T * k_dim) + r512(ae * T * q) + r512(4 * b * spec.num_heads * s)
+            attention += r512(ae * b * s * s) if masked else 0
         else:
             probs = b * spec.num_heads * s * s
             attention += r512(ae * T * q) + 2 * r512(ae * T * q) + r512(4 * probs) + r512(ae * T * q)
@@ -155,25 +161,30 @@ def stream_bytes(workload: Workload, spec: ModelSpec) -> int:
 
 
 def model_saved_bytes(spec: ModelSpec, workload: Workload) -> dict[str, int]:
-    """Saved activations of all layers plus the embedding output, at the end of forward."""
+    """Saved activations of all layers plus the embedding output, at the end of forward.
+
+    Layers 1..L-1 are identical, so they are counted, not looped over. With every-K
+    checkpointing, layers 0, K, 2K, ... keep only their input."""
+    L, K = spec.num_layers, workload.ac_every
+    num_checkpointed = -(-L // K) if K else 0
+    plain_first = 0 if K else 1  # layer 0 runs without checkpointing only when nothing is checkpointed
+    plain_rest = L - num_checkpointed - plain_first
     totals = {"norm": 0, "lora": 0, "attention": 0, "mlp": 0, "residual": 0, "checkpoints": 0}
-    per_layer_cache: dict[int, dict[str, int]] = {}
-    mixed_or_fp32 = workload.mixed or compute_bytes(workload) == 4
-    for index in range(spec.num_layers):
-        if is_checkpointed(workload, index):
-            # The checkpoint keeps the layer input; under mixed/fp32 the previous layer's output
-            # (which is this input) is already counted in its 'residual'.
-            if index == 0 or not mixed_or_fp32 or is_checkpointed(workload, index - 1):
-                totals["checkpoints"] += stream_bytes(workload, spec)
-            if mixed_or_fp32 and index + 1 < spec.num_layers and not is_checkpointed(workload, index + 1):
-                totals["residual"] += stream_bytes(workload, spec)  # its output, kept by the next norm
-            continue
-        key = 0 if index == 0 else 1
-        if key not in per_layer_cache:
-            per_layer_cache[key] = layer_saved_bytes(spec, workload, index)
-        for part, value in per_layer_cache[key].items():
-            totals[part] += value
+    for index, count in ((0, plain_first), (1, plain_rest)):
+        if count > 0:
+            for part, value in layer_saved_bytes(spec, workload, index).items():
+                totals[part] += count * value
+    stream = stream_bytes(workload, spec)
+    fp32_stream = workload.mixed or compute_bytes(workload) == 4
+    if num_checkpointed:
+        if fp32_stream and K > 1:
+            # Only layer 0's input is the checkpoint's own; later checkpointed layers' inputs are the
+            # previous plain layer's output, already counted; their outputs are kept by the next norm.
+            totals["checkpoints"] += stream
+            totals["residual"] += stream * (num_checkpointed - (1 if (L - 1) % K == 0 else 0))
+        else:
+            totals["checkpoints"] += stream * num_checkpointed
     # The embedding output is layer 0's input: kept by its norm under fp32 compute.
-    if mixed_or_fp32 and not is_checkpointed(workload, 0) and layer_flags(workload, 0).input_requires_grad:
-        totals["residual"] += stream_bytes(workload, spec)
+    if fp32_stream and not K and layer_flags(workload, 0).input_requires_grad:
+        totals["residual"] += stream
     return totals

@@ -10,10 +10,9 @@ BLOCK_BYTES = 512
 
 def r512(num_bytes: float) -> int:
     """Bytes one tensor occupies in the allocator: rounded up to 512, at least 512 (0 stays 0)."""
-    num_bytes = int(-(-num_bytes // 1))
     if num_bytes <= 0:
         return 0
-    return -(-num_bytes // BLOCK_BYTES) * BLOCK_BYTES
+    return int(-(-num_bytes // BLOCK_BYTES)) * BLOCK_BYTES
 
 
 def tensor_bytes(numel: int, dtype: str) -> int:

@@ -44,10 +44,11 @@ def training_logits(workload: Workload, vocab_size: int, hidden_size: int, head_
         forward_peak = head_input + lsm + r512(e_logits * chunk) + (r512(4 * chunk) if e_logits < 4 else 0)
         return LogitsBytes(forward_peak, head_input + lsm, head_input + lsm + 2 * r512(4 * chunk))
     if teacher:
-        # student logits + teacher logits (bf16) + CE log_softmax + KL: both log_softmaxes and
-        # their fp32 upcasts, and the elementwise KL before its reduction.
-        forward_peak = head_input + r512(e_logits * TV) + r512(2 * TV) + lsm + upcast + 4 * r512(4 * TV)
+        # Student and teacher logits; log_softmax of the CE and of both KL inputs (their fp32
+        # upcasts die at once); the KL's elementwise terms (t - s, exp(t), their product).
+        # Backward keeps the CE's and the student's log_softmax and exp(t).
+        forward_peak = head_input + r512(e_logits * TV) + r512(2 * TV) + 3 * lsm + 3 * r512(4 * TV) + labels
         saved = head_input + 3 * lsm
-        return LogitsBytes(forward_peak, saved, saved + 2 * r512(4 * TV))
+        return LogitsBytes(forward_peak, saved, saved + r512(4 * TV) + 2 * 512)
     forward_peak = head_input + r512(e_logits * TV) + upcast + lsm + labels
     return LogitsBytes(forward_peak, head_input + lsm, head_input + lsm + 2 * r512(4 * TV) + 2 * 512)

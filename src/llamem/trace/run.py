@@ -29,13 +29,21 @@ BNB_BLOCK = 256
 def trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None) -> MemoryReport:
     warnings.filterwarnings("ignore")
     notes: list[str] = []
+    if workload.task == "distill" and teacher is None:
+        from llamem.model import load_model
+
+        teacher = load_model(workload.teacher)
+    from llamem.analytic.engine import check_teacher
+
+    check_teacher(spec, teacher)
     model = build_meta_model(spec, workload)
     teacher_model = build_meta_model(teacher, _teacher_workload(workload), dtype=torch.bfloat16) if teacher else None
     tracer = StorageTracer()
-    with FakeTensorMode(allow_non_fake_inputs=True), tracer:
+    with FakeTensorMode(allow_non_fake_inputs=True), tracer, _recompute_labels(tracer):
         model = _materialise(model, tracer, "weights")
         if teacher_model is not None:
             teacher_model = _materialise(teacher_model, tracer, "weights/teacher").eval()
+            _install_category_hooks(teacher_model, tracer)
         _install_category_hooks(model, tracer)
         if workload.is_training:
             optimizer = _make_optimizer(model, workload, notes)
@@ -51,15 +59,47 @@ def trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None)
                         notes=tuple(notes), extra={"events": tracer, "num_events": len(tracer.events)})
 
 
+@contextlib.contextmanager
+def _recompute_labels(tracer: StorageTracer):
+    """Checkpointing's recompute makes activations, even when it stops early (torch raises inside
+    the layer's forward to stop, so module hooks cannot tell when it ends; its context can)."""
+    import torch.utils.checkpoint as checkpoint
+
+    original = checkpoint._recomputation_hook
+
+    class LabelledRecomputation(original):
+        def __enter__(self):
+            self._saved = (tracer.category, len(tracer.stack))
+            tracer.category = "activations"
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            tracer.category, depth = self._saved
+            del tracer.stack[depth:]
+            return super().__exit__(*exc)
+
+    checkpoint._recomputation_hook = LabelledRecomputation
+    try:
+        yield
+    finally:
+        checkpoint._recomputation_hook = original
+
+
 def _teacher_workload(workload: Workload) -> Workload:
     return Workload(task="infer", precision="bf16", attn=workload.attn)
 
 
 def _materialise(model, tracer: StorageTracer, category: str):
     tracer.phase, tracer.category = "load", category
+    # A tied head shares the embedding's storage: detach it before materialising so the
+    # weight is allocated once, as from_pretrained does, then tie it back.
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if tied:
+        base.lm_head._parameters.pop("weight")
     model = model.to_empty(device="cpu")
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
+    if tied:
+        base.lm_head.weight = base.model.embed_tokens.weight
     for name, param in model.named_parameters():
         tracer.label(param, "weights/adapters" if "lora_" in name else category)
     for name, buffer in model.named_buffers():
@@ -75,7 +115,7 @@ def _decoder(model):
 def _install_category_hooks(model, tracer: StorageTracer) -> None:
     """Label allocations by where they happen: decoder modules make activations, the head makes logits."""
     decoder = _decoder(model)
-    stack: list[str] = []
+    stack = tracer.stack
 
     def enter(module, args):
         stack.append(tracer.category)
@@ -132,6 +172,35 @@ class Emulated8bitAdamW(torch.optim.Optimizer):
                 param.add_(param.grad, alpha=-group["lr"])
 
 
+class EmulatedAdafactor(torch.optim.Optimizer):
+    """torch.optim.Adafactor's state and its step's temporaries, without its `.item()` calls
+    (data-dependent, impossible on fake tensors): row and column second moments per matrix,
+    a full one per vector, and one update tensor per parameter, all alive together (foreach)."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for param in params:
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                if param.dim() > 1:
+                    state["row_var"] = param.new_zeros(param.shape[:-1]).unsqueeze(-1)
+                    state["col_var"] = param.new_zeros(param.shape[:-2] + param.shape[-1:]).unsqueeze(-2)
+                else:
+                    state["variance"] = torch.zeros_like(param)
+        for multidim in (True, False):
+            group = [p for p in params if (p.dim() > 1) == multidim]
+            updates = [self.state[p]["row_var"] @ self.state[p]["col_var"] if multidim
+                       else self.state[p]["variance"].clone() for p in group]
+            torch._foreach_mul_(updates, [p.grad for p in group])
+            torch._foreach_add_(group, updates)
+            del updates
+
+
 def _make_optimizer(model, workload: Workload, notes: list[str]):
     params = [p for p in model.parameters() if p.requires_grad]
     if workload.optimizer == "adamw":
@@ -139,7 +208,9 @@ def _make_optimizer(model, workload: Workload, notes: list[str]):
     if workload.optimizer == "sgd":
         return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)
     if workload.optimizer == "adafactor":
-        return torch.optim.Adafactor(params, lr=1e-2, foreach=True)
+        notes.append("adafactor: torch.optim.Adafactor's state and step temporaries emulated "
+                     "(its step reads tensor values, impossible on fake tensors)")
+        return EmulatedAdafactor(params)
     notes.append("adamw8bit: bitsandbytes' state emulated byte for byte (its kernels cannot run on fake tensors)")
     return Emulated8bitAdamW(params)
 

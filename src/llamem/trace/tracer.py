@@ -55,6 +55,7 @@ class StorageTracer(TorchDispatchMode):
         self.phase = "load"
         self.module = ""
         self.weight_record_ids: set[int] = set()
+        self.stack: list[str] = []  # categories to return to when a module's forward ends
 
     # Allocation bookkeeping -------------------------------------------------------------
     def _track(self, tensor: torch.Tensor, category: str, op: str = "") -> None:

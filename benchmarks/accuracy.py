@@ -1,0 +1,113 @@
+"""Accuracy harness: the analytic engine against the trace engine over a matrix of workloads.
+
+Prints one row per workload (peak error, worst category) and writes JSON.
+Usage: python benchmarks/accuracy.py [--out benchmarks/results/accuracy.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+
+from llamem.model import load_model
+from llamem.trace.compare import compare
+from llamem.workload import build_workload
+
+warnings.filterwarnings("ignore")
+
+# Reduced layer counts keep traces quick; every per-layer term is exact, so nothing is lost.
+MODELS = {
+    "debug": {},
+    "tinyllama-1.1b": {"num_hidden_layers": 2},
+    "llama-3.2-1b": {"num_hidden_layers": 2},
+    "llama-2-7b": {"num_hidden_layers": 2},
+    "llama-3.1-8b": {"num_hidden_layers": 2},
+}
+
+
+def matrix() -> list[tuple[str, dict]]:
+    rows: list[tuple[str, dict]] = []
+    for model in MODELS:
+        rows += [
+            (model, dict(task="train", batch=1, seq=512)),
+            (model, dict(task="train", precision="bf16", batch=2, seq=1024)),
+            (model, dict(task="lora", batch=2, seq=2048)),
+            (model, dict(task="qlora", batch=1, seq=1024)),
+            (model, dict(task="infer", batch=2, seq=1024, new_tokens=4)),
+        ]
+    for model in ("debug", "tinyllama-1.1b", "llama-3.2-1b"):
+        rows += [
+            (model, dict(task="train", precision="fp32", batch=1, seq=256)),
+            (model, dict(task="train", precision="fp16", batch=1, seq=512)),
+            (model, dict(task="train", optimizer="sgd", batch=1, seq=512)),
+            (model, dict(task="train", optimizer="adafactor", batch=1, seq=512)),
+            (model, dict(task="train", optimizer="adamw8bit", batch=1, seq=512)),
+            (model, dict(task="train", attn="eager", batch=1, seq=256)),
+            (model, dict(task="train", precision="bf16", attn="eager", batch=2, seq=128)),
+            (model, dict(task="train", precision="bf16", ac_every=1, batch=2, seq=512)),
+            (model, dict(task="train", ac_every=1, batch=1, seq=1024)),
+            (model, dict(task="lora", ac_every=1, batch=1, seq=1024)),
+            (model, dict(task="train", grad_accum=2, batch=1, seq=256)),
+            (model, dict(task="train", loss="chunked", batch=1, seq=1024)),
+            (model, dict(task="lora", lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj"), lora_rank=16, batch=1, seq=512)),
+            (model, dict(task="qlora", quant="int8", batch=1, seq=512)),
+            (model, dict(task="infer", batch=1, seq=4096, new_tokens=2)),
+            (model, dict(task="infer", precision="fp16", batch=4, seq=256, new_tokens=8)),
+        ]
+    rows += [("debug", dict(task="distill", teacher="debug", batch=1, seq=256)),
+             ("llama-3.2-1b", dict(task="distill", teacher="llama-3.2-3b", batch=1, seq=256))]
+    return rows
+
+
+def quick_matrix() -> list[tuple[str, dict]]:
+    """The CI subset: one of each task and precision on small shapes."""
+    return [(m, o) for m, o in matrix() if m == "debug"]
+
+
+def run(rows: list[tuple[str, dict]]) -> list[dict]:
+    results = []
+    for model, options in rows:
+        spec = load_model(model, overrides=MODELS[model])
+        workload = build_workload(**options)
+        start = time.perf_counter()
+        result = compare(spec, workload)
+        category, error = result.worst_category
+        results.append({
+            "model": spec.name, "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+            "analytic_peak_bytes": result.analytic_peak_bytes, "traced_peak_bytes": result.traced_peak_bytes,
+            "traced_peak_phase": result.traced_phase, "peak_error": result.peak_error,
+            "worst_category": category, "worst_category_error": error, "ok": result.ok,
+            "seconds": time.perf_counter() - start,
+        })
+    return results
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"{'model':<38} {'workload':<58} {'trace GiB':>9} {'peak err':>8}  {'worst category':<26} ok")
+    for r in results:
+        options = " ".join(f"{k}={v if not isinstance(v, list) else ','.join(v)}" for k, v in r["options"].items())
+        print(f"{r['model'][:38]:<38} {options[:58]:<58} {r['traced_peak_bytes'] / 2**30:>9.3f} "
+              f"{100 * r['peak_error']:>+7.2f}%  {r['worst_category'][:16]:<16} {100 * r['worst_category_error']:>+7.2f}% "
+              f"{'yes' if r['ok'] else 'NO'}")
+    passed = sum(r["ok"] for r in results)
+    print(f"{passed} passed, {len(results) - passed} failed")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results/accuracy.json")
+    parser.add_argument("--quick", action="store_true", help="only the CI subset")
+    args = parser.parse_args()
+    results = run(quick_matrix() if args.quick else matrix())
+    print_table(results)
+    with open(args.out, "w") as handle:
+        json.dump(results, handle, indent=1)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Tier 2: the analytic engine held to the trace engine (the CI subset of benchmarks/accuracy.py).
+
+Same tolerances as the full harness: peak within 2 %, every category above 1 % of the peak
+within 5 %, so the two engines can never drift apart silently.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from accuracy import MODELS, quick_matrix  # noqa: E402
+
+from llamem.cli import main  # noqa: E402
+from llamem.model import load_model  # noqa: E402
+from llamem.trace.compare import compare  # noqa: E402
+from llamem.workload import build_workload  # noqa: E402
+
+
+@pytest.mark.parametrize("model, options", quick_matrix(), ids=lambda x: x if isinstance(x, str) else
+                         "-".join(f"{k}={v}" for k, v in x.items() if not isinstance(v, tuple)))
+def test_analytic_matches_trace(model, options):
+    result = compare(load_model(model, overrides=MODELS[model]), build_workload(**options))
+    category, error = result.worst_category
+    assert abs(result.peak_error) <= 0.02, f"peak off by {100 * result.peak_error:+.2f}%"
+    assert abs(error) <= 0.05, f"{category} off by {100 * error:+.2f}%"
+
+
+def cli_json(capsys, *args):
+    assert main(list(args)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("args", [
+    ("debug", "--task", "train"),
+    ("tinyllama-1.1b", "--task", "lora", "--batch", "1", "--seq", "1024"),
+    ("llama-3.2-1b", "--task", "infer", "--batch", "2", "--seq", "4096", "--new-tokens", "2"),
+])
+def test_trace_and_estimate_agree_through_the_cli(capsys, args):
+    estimated = cli_json(capsys, "estimate", *args, "--json")
+    traced = cli_json(capsys, "trace", *args, "--json")
+    assert set(estimated) == set(traced)
+    assert traced["engine"] == "trace" and estimated["engine"] == "analytic"
+    assert abs(estimated["peak_allocated_bytes"] / traced["peak_allocated_bytes"] - 1) <= 0.02
+
+
+def test_save_trace_writes_every_event(tmp_path, capsys):
+    out = tmp_path / "trace.json"
+    assert main(["trace", "debug", "--task", "infer", "--seq", "64", "--new-tokens", "3",
+                 "--save-trace", str(out)]) == 0
+    data = json.loads(out.read_text())
+    events = data["events"]
+    assert data["format"] == "llamem-trace-v1"
+    assert {e["action"] for e in events} == {"alloc", "free"}
+    live = {}
+    for event in events:  # every free matches an earlier alloc of the same size
+        if event["action"] == "alloc":
+            live[event["addr"]] = event["size"]
+        else:
+            assert live.pop(event["addr"]) == event["size"]
+    assert all(e["size"] % 512 == 0 for e in events)
