@@ -215,15 +215,15 @@ def _make_optimizer(model, workload: Workload, notes: list[str]):
     return Emulated8bitAdamW(params)
 
 
-def _autocast(workload: Workload):
+def _autocast(workload: Workload, device: str = "cpu"):
     if workload.mixed:
-        return torch.autocast("cpu", dtype=TORCH_DTYPES[workload.compute_dtype])
+        return torch.autocast(device, dtype=TORCH_DTYPES[workload.compute_dtype])
     return contextlib.nullcontext()
 
 
-def _inputs(workload: Workload, spec: ModelSpec, tracer: StorageTracer):
+def _inputs(workload: Workload, spec: ModelSpec, tracer: StorageTracer, device: str = "cpu"):
     tracer.category = "inputs"
-    ids = torch.randint(0, spec.vocab_size, (workload.batch, workload.seq))
+    ids = torch.randint(0, spec.vocab_size, (workload.batch, workload.seq), device=device)
     tracer.label(ids, "inputs")
     return ids
 
@@ -258,14 +258,15 @@ def _chunked_loss(model, ids):
     return total / ids.numel()
 
 
-def _train(model, teacher, optimizer, workload: Workload, spec: ModelSpec, tracer: StorageTracer) -> None:
+def _train(model, teacher, optimizer, workload: Workload, spec: ModelSpec, tracer: StorageTracer,
+           device: str = "cpu") -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     for step in range(2):
         for _micro in range(workload.grad_accum):
             tracer.phase = "forward" if step else "warmup"
-            ids = _inputs(workload, spec, tracer)
+            ids = _inputs(workload, spec, tracer, device)
             tracer.category = "activations"
-            with _autocast(workload):
+            with _autocast(workload, device):
                 loss = _loss(model, teacher, ids, workload) / workload.grad_accum
             tracer.phase, tracer.category = ("backward" if step else "warmup"), "logits"
             loss.backward()
@@ -283,13 +284,13 @@ def _train(model, teacher, optimizer, workload: Workload, spec: ModelSpec, trace
         optimizer.zero_grad(set_to_none=True)
 
 
-def _infer(model, workload: Workload, spec: ModelSpec, tracer: StorageTracer) -> None:
+def _infer(model, workload: Workload, spec: ModelSpec, tracer: StorageTracer, device: str = "cpu") -> None:
     from transformers import DynamicCache
 
     model.eval()
     with torch.no_grad():
         tracer.phase = "prefill"
-        ids = _inputs(workload, spec, tracer)
+        ids = _inputs(workload, spec, tracer, device)
         cache = DynamicCache(config=model.config)
         tracer.category = "temporaries"
         out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)

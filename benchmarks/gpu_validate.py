@@ -1,0 +1,84 @@
+"""Tier 3: estimates and traces against a real GPU.
+
+One command on a CUDA machine: builds each model of the matrix with random weights, runs the
+workload (the same code path as `llamem trace`), reads max_memory_allocated,
+max_memory_reserved and NVML used memory, and writes
+benchmarks/results/<date>-<gpu>.json with estimate, trace and measurement side by side.
+Designed to finish within 8 minutes on one H100-class GPU. Without CUDA it says so and exits 0.
+
+Usage: python benchmarks/gpu_validate.py [--quick] [--out-dir benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+
+MATRIX = [
+    ("llama-3.2-1b", dict(task="train", batch=4, seq=1024)),
+    ("llama-3.2-1b", dict(task="lora", batch=4, seq=2048)),
+    ("llama-3.2-3b", dict(task="train", precision="bf16", batch=2, seq=1024)),
+    ("llama-3.2-3b", dict(task="lora", batch=4, seq=2048)),
+    ("llama-3.1-8b", dict(task="infer", batch=1, seq=2048, new_tokens=16)),
+    ("llama-3.1-8b", dict(task="infer", batch=4, seq=8192, new_tokens=16)),
+    ("llama-3.1-8b", dict(task="infer", batch=1, seq=32768, new_tokens=8)),
+    ("llama-3.1-8b", dict(task="lora", ac_every=1, batch=2, seq=4096)),
+    ("llama-3.1-8b", dict(task="lora", batch=1, seq=2048)),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="first three rows only")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    args = parser.parse_args()
+    try:
+        import torch
+    except ImportError:
+        print("gpu_validate needs torch with CUDA; torch is not installed. Nothing to do.")
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu_validate needs a CUDA device; none is visible here. Nothing to do.")
+        return 0
+    from llamem import build_workload, estimate, load_model
+    from llamem.measure import measure
+    from llamem.trace.run import trace
+
+    gpu = torch.cuda.get_device_name(0)
+    rows = []
+    for model, options in MATRIX[:3] if args.quick else MATRIX:
+        spec, workload = load_model(model), build_workload(**options)
+        start = time.perf_counter()
+        est = estimate(spec, workload)
+        traced = trace(spec, workload)
+        try:
+            measured = measure(spec, workload)
+        except torch.OutOfMemoryError as err:
+            measured = {"error": str(err).splitlines()[0]}
+            torch.cuda.empty_cache()
+        row = {"model": model, "options": options, "estimate_peak_allocated_bytes": est.peak_allocated_bytes,
+               "estimate_phases": est.phase_peaks, "trace_peak_allocated_bytes": traced.peak_allocated_bytes,
+               "trace_phases": traced.phase_peaks, "measured": measured, "seconds": time.perf_counter() - start}
+        rows.append(row)
+        got = measured.get("peak_allocated_bytes")
+        print(f"{model:<14} {json.dumps(options):<62} est {est.peak_allocated_bytes / 2**30:7.2f} "
+              f"trace {traced.peak_allocated_bytes / 2**30:7.2f} "
+              f"measured {got / 2**30 if got else float('nan'):7.2f} GiB "
+              f"reserved {measured.get('peak_reserved_bytes', 0) / 2**30:7.2f} GiB", flush=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    path = f"{args.out_dir}/{datetime.date.today().isoformat()}-{slug}.json"
+    with open(path, "w") as handle:
+        json.dump({"gpu": gpu, "torch": torch.__version__, "rows": rows}, handle, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
