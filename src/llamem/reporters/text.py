@@ -41,8 +41,13 @@ def render_report(report: MemoryReport) -> str:
                      f"{format_gib(report.non_torch_bytes)} = device {format_gib(report.device_bytes)}")
     lines += ["", "phase peaks: " + " · ".join(f"{p} {v / GiB:.2f}" for p, v in report.phase_peaks.items()) + " GiB",
               f"breakdown at the peak ({report.peak_phase}):"]
+    small = {k: v for k, v in report.breakdown.items() if v < peak / 1000}
     for key, value in report.breakdown.items():
-        lines.append(f"  {key:<28} {value / GiB:>10.3f} GiB  {100 * value / peak:5.1f}%")
+        if key not in small:
+            lines.append(f"  {key:<28} {value / GiB:>10.3f} GiB  {100 * value / peak:5.1f}%")
+    if small:
+        label = f"other ({len(small)} under 0.1%)"
+        lines.append(f"  {label:<28} {sum(small.values()) / GiB:>10.3f} GiB  {100 * sum(small.values()) / peak:5.1f}%")
     lines.append(f"  {'total':<28} {peak / GiB:>10.3f} GiB")
     for note in report.notes:
         lines.append(f"note: {note}")
