@@ -26,6 +26,7 @@ def rounded(nbytes: int) -> int:
 @dataclass(slots=True)
 class Record:
     size_bytes: int
+    nbytes: int
     category: str
     phase: str
     module: str
@@ -64,7 +65,7 @@ class StorageTracer(TorchDispatchMode):
         if key in self.live or storage.nbytes() == 0:
             return
         record_id = len(self.records)
-        self.records.append(Record(rounded(storage.nbytes()), category, self.phase, op or self.module))
+        self.records.append(Record(rounded(storage.nbytes()), storage.nbytes(), category, self.phase, op or self.module))
         self.live[key] = record_id
         self.events.append(Event("alloc", record_id, self.phase))
         self.current_bytes += self.records[record_id].size_bytes
@@ -137,6 +138,7 @@ class StorageTracer(TorchDispatchMode):
         """The event trace, one dict per allocation and free (what --save-trace writes)."""
         return [
             {"action": event.action, "addr": event.record_id, "size": self.records[event.record_id].size_bytes,
+             "nbytes": self.records[event.record_id].nbytes,
              "phase": event.phase, "category": self.records[event.record_id].category,
              "module": self.records[event.record_id].module}
             for event in self.events
