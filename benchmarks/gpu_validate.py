@@ -34,6 +34,36 @@ MATRIX = [
 ]
 
 
+def allocator_replay_check(torch) -> dict:
+    """Record a real allocation history on one stream, replay it through the simulator, and
+    compare peak reserved memory and segment counts (target: exact for the native allocator)."""
+    from llamem.allocator.replay import events_from_data, replay
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    live = []
+    for step in range(3000):  # a mix of small, medium and large tensors, freed at random
+        size = int(torch.randint(1, 64 * 2**20, (1,), generator=generator)) >> int(
+            torch.randint(0, 12, (1,), generator=generator))
+        live.append(torch.empty(max(size, 1), dtype=torch.uint8, device="cuda"))
+        if len(live) > 40:
+            live.pop(int(torch.randint(0, len(live), (1,), generator=generator)))
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    stats = torch.cuda.memory_stats()
+    result = replay(events_from_data(snapshot))
+    del live
+    torch.cuda.empty_cache()
+    return {"real_peak_reserved_bytes": stats["reserved_bytes.all.peak"],
+            "simulated_peak_reserved_bytes": result.peak_reserved_bytes,
+            "real_segments_peak": stats["segment.all.peak"],
+            "simulated_segments_peak": result.sim.memory_stats()["segment.all.peak"],
+            "real_peak_allocated_bytes": stats["allocated_bytes.all.peak"],
+            "simulated_peak_allocated_bytes": result.peak_allocated_bytes}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="first three rows only")
@@ -72,10 +102,13 @@ def main() -> int:
               f"trace {traced.peak_allocated_bytes / 2**30:7.2f} "
               f"measured {got / 2**30 if got else float('nan'):7.2f} GiB "
               f"reserved {measured.get('peak_reserved_bytes', 0) / 2**30:7.2f} GiB", flush=True)
+    replay_check = allocator_replay_check(torch)
+    print(f"allocator replay: {json.dumps(replay_check)}")
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     path = f"{args.out_dir}/{datetime.date.today().isoformat()}-{slug}.json"
     with open(path, "w") as handle:
-        json.dump({"gpu": gpu, "torch": torch.__version__, "rows": rows}, handle, indent=1)
+        json.dump({"gpu": gpu, "torch": torch.__version__, "rows": rows, "allocator_replay": replay_check},
+                  handle, indent=1)
     print(f"wrote {path}")
     return 0
 

@@ -143,3 +143,12 @@ def test_models_json(capsys):
     names = {m["name"]: m for m in json.loads(out)}
     assert code == 0 and len(names) == 22
     assert names["llama-2-7b"]["num_params"] == 6738415616
+
+
+def test_estimate_reports_device_memory(capsys):
+    code, out, _ = run_cli(capsys, "estimate", "llama-3.1-8b", "--task", "lora", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["peak_reserved_bytes"] >= data["peak_allocated_bytes"]
+    assert data["device_bytes"] == data["peak_reserved_bytes"] + data["non_torch_bytes"]
+    assert data["device_bytes"] >= data["peak_reserved_bytes"]

@@ -73,8 +73,12 @@ def estimate(as_json, **options):
     """How much memory a workload takes, and where it goes (analytic, no torch)."""
     from llamem.analytic import estimate as run_estimate
 
+    from llamem.allocator.integrate import add_device_memory
+    from llamem.analytic.schedule import schedule
+
     spec, workload, teacher = resolve(**options)
-    emit(run_estimate(spec, workload, teacher), as_json)
+    report = run_estimate(spec, workload, teacher)
+    emit(add_device_memory(report, schedule(spec, workload), exact=False), as_json)
 
 
 @app.command()
@@ -85,8 +89,10 @@ def trace(as_json, save_trace, **options):
     spec, workload, teacher = resolve(**options)
     from llamem.trace.api import run_trace
 
-    report = run_trace(spec, workload, teacher, save_trace=save_trace)
-    emit(report, as_json)
+    report, events = run_trace(spec, workload, teacher, save_trace=save_trace)
+    from llamem.allocator.integrate import add_device_memory
+
+    emit(add_device_memory(report, events, exact=True), as_json)
 
 
 @app.command()

@@ -11,7 +11,8 @@ from llamem.workload import Workload
 
 
 def run_trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None,
-              save_trace: str | None = None) -> MemoryReport:
+              save_trace: str | None = None) -> tuple[MemoryReport, list]:
+    """The report, and the allocation events (for the allocator simulator)."""
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -26,4 +27,7 @@ def run_trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = N
     if save_trace:
         with open(save_trace, "w") as handle:
             json.dump({"format": "llamem-trace-v1", "model": spec.name, "events": tracer.trace_events()}, handle)
-    return report
+    from llamem.allocator.replay import AllocEvent
+
+    events = [AllocEvent(e.action, e.record_id, tracer.records[e.record_id].nbytes) for e in tracer.events]
+    return report, events

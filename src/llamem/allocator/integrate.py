@@ -1,0 +1,37 @@
+"""Add what the card must hold to a report: the allocator's reserved memory (from replaying the
+workload's allocations through the simulator), the non-torch overhead, and advice."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llamem.allocator.advice import advise
+from llamem.allocator.replay import AllocEvent, replay
+from llamem.overhead import non_torch_bytes
+from llamem.report import MemoryReport
+from llamem.units import format_bytes
+
+ADVISE_ABOVE = 0.05
+"""Look for a better allocator setting when reserved exceeds allocated by more than 5 %."""
+
+
+def add_device_memory(report: MemoryReport, events: list[AllocEvent], *, exact: bool,
+                      num_gpus: int = 1) -> MemoryReport:
+    """`exact`: the events are the workload's real allocations (trace); otherwise a synthetic
+    schedule (analytic), whose fragmentation is added to the analytic peak."""
+    result = replay(events)
+    if exact:
+        reserved = max(result.peak_reserved_bytes, report.peak_allocated_bytes)
+    else:
+        reserved = report.peak_allocated_bytes + max(0, result.peak_reserved_bytes - result.peak_allocated_bytes)
+    notes = list(report.notes)
+    waste = reserved - report.peak_allocated_bytes
+    source = "the traced allocations" if exact else "a synthetic allocation schedule"
+    notes.append(f"reserved memory from replaying {source} through the caching-allocator simulator: "
+                 f"{format_bytes(waste)} above allocated")
+    if waste > ADVISE_ABOVE * report.peak_allocated_bytes:
+        for advice in advise(events, result.peak_reserved_bytes)[:1]:
+            notes.append(f"allocator: PYTORCH_CUDA_ALLOC_CONF={advice.setting} would lower peak reserved memory by "
+                         f"{format_bytes(advice.saved_bytes)}")
+    return dataclasses.replace(report, peak_reserved_bytes=reserved, non_torch_bytes=non_torch_bytes(num_gpus),
+                               notes=tuple(notes))

@@ -1,0 +1,135 @@
+"""A synthetic allocation schedule for an analytic estimate, to replay through the allocator
+simulator (the trace engine replays its real event trace instead).
+
+Tensor by tensor where the analytic engine knows the tensors (weights, gradients, optimizer
+state, KV cache), and in chunks of a layer's characteristic tensor sizes for activations and
+temporaries; the order is a training step's (forward layer by layer, the loss, backward
+layer by layer in reverse freeing as it goes, the optimizer step) or generation's. Two steps
+are replayed so that the second sees the cache the first left. It approximates the order,
+not the sizes: fragmentation from it is an estimate, and the report says so.
+"""
+
+from __future__ import annotations
+
+from llamem.allocator.replay import AllocEvent
+from llamem.analytic import activations as act
+from llamem.analytic.common import r512
+from llamem.analytic.kv_cache import kv_layer_tensor_bytes
+from llamem.analytic.optimizer import optimizer_state_bytes
+from llamem.analytic.weights import linear_weight_bytes, trainable_tensor_sizes
+from llamem.dtypes import DTYPE_BYTES
+from llamem.model import ModelSpec
+from llamem.workload import Workload
+
+MAX_DECODE_STEPS = 32
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.events: list[AllocEvent] = []
+        self.next_id = 0
+
+    def alloc(self, sizes: list[int]) -> list[int]:
+        ids = []
+        for size in sizes:
+            if size > 0:
+                self.events.append(AllocEvent("alloc", self.next_id, size))
+                ids.append(self.next_id)
+                self.next_id += 1
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        self.events.extend(AllocEvent("free", i, 0) for i in ids)
+
+
+def _chunks(total: int, unit: int) -> list[int]:
+    """`total` bytes as tensors of `unit` bytes (the last one smaller)."""
+    if total <= 0:
+        return []
+    unit = max(unit, 512)
+    count, rest = divmod(total, unit)
+    return [unit] * count + ([rest] if rest else [])
+
+
+def weight_tensor_sizes(spec: ModelSpec, w: Workload) -> list[int]:
+    dtype = w.weight_dtype
+    sizes = [r512(DTYPE_BYTES[dtype] * spec.embedding_params)]
+    layer = [r512(DTYPE_BYTES[dtype] * spec.hidden_size)] * 2
+    for fan_in, fan_out in spec.layer_linear_shapes().values():
+        weight, scales = linear_weight_bytes(fan_in, fan_out, dtype, w.quant)
+        layer += [weight, scales]
+    sizes += layer * spec.num_layers + [r512(DTYPE_BYTES[dtype] * spec.hidden_size)]
+    if spec.lm_head_params:
+        sizes.append(r512(DTYPE_BYTES[dtype] * spec.lm_head_params))
+    return [s for s in sizes if s]
+
+
+def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
+    T = w.batch * w.seq
+    ae = 2 if w.mixed else act.compute_bytes(w)
+    unit_h, unit_i = r512(ae * T * spec.hidden_size), r512(ae * T * spec.intermediate_size)
+    ev = _Events()
+    ev.alloc(weight_tensor_sizes(spec, w))
+    grad_sizes = trainable_tensor_sizes(spec, w)
+    if w.uses_adapters:
+        ev.alloc(grad_sizes)  # the adapters themselves
+        head, layers, tail = [], grad_sizes, []
+    else:  # [embedding, layer 0 .. L-1, final norm, lm_head]
+        head_count = 2 if spec.lm_head_params else 1
+        head, layers, tail = grad_sizes[-head_count:], grad_sizes[1:-head_count], grad_sizes[:1]
+    per_layer = len(layers) // max(spec.num_layers, 1)
+    for key, total in optimizer_state_bytes(spec, w).items():
+        if key != "optimizer/step":
+            ev.alloc(_chunks(total, max(total // max(len(grad_sizes), 1), 512)))
+    TV = T * spec.vocab_size
+    for _step in range(2):
+        saved_layers = []
+        for index in range(spec.num_layers):
+            parts = ({"checkpoint": act.stream_bytes(w, spec)} if act.is_checkpointed(w, index)
+                     else act.layer_saved_bytes(spec, w, index))
+            ids = []
+            for part, total in parts.items():
+                ids += ev.alloc(_chunks(total, unit_i if part == "mlp" else unit_h))
+            ev.free(ev.alloc([unit_i, unit_i]))  # the layer's transients
+            saved_layers.append(ids)
+        logits = ev.alloc([r512(ae * TV), r512(4 * TV)])
+        log_softmax = ev.alloc([r512(4 * TV)])
+        ev.free(logits)
+        ev.free(ev.alloc([r512(4 * TV), r512(4 * TV)]) + log_softmax)  # the loss backward
+        grads = ev.alloc(head)
+        for index in reversed(range(spec.num_layers)):
+            recomputed = (ev.alloc(_chunks(sum(act.layer_saved_bytes(spec, w, index).values()), unit_i))
+                          if act.is_checkpointed(w, index) else [])
+            transient = ev.alloc([unit_h, unit_i, unit_i, unit_i])
+            grads += ev.alloc(layers[index * per_layer:(index + 1) * per_layer])
+            ev.free(transient + recomputed + saved_layers[index])
+        grads += ev.alloc(tail)
+        temporaries = ev.alloc(grad_sizes) if w.optimizer in ("adamw", "adafactor") else []
+        ev.free(temporaries + grads)
+    return ev.events
+
+
+def inference_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
+    T = w.batch * w.seq
+    e = act.compute_bytes(w)
+    ev = _Events()
+    ev.alloc(weight_tensor_sizes(spec, w))
+    cache = []
+    for _layer in range(spec.num_layers):
+        transient = ev.alloc([r512(e * T * spec.hidden_size)] * 2 + [r512(e * T * spec.intermediate_size)] * 3)
+        cache.append(ev.alloc([kv_layer_tensor_bytes(spec, w.batch, w.seq, w.kv_dtype)] * 2))
+        ev.free(transient)
+    steps = min(max(w.new_tokens - 1, 0), MAX_DECODE_STEPS)
+    start = w.seq + max(w.new_tokens - 1, 0) - steps
+    for step in range(steps):
+        for layer in range(spec.num_layers):
+            grown = ev.alloc([kv_layer_tensor_bytes(spec, w.batch, start + step + 1, w.kv_dtype)] * 2)
+            ev.free(cache[layer])
+            cache[layer] = grown
+        logits = ev.alloc([r512(4 * w.batch * spec.vocab_size)])
+        ev.free(logits)
+    return ev.events
+
+
+def schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
+    return training_schedule(spec, w) if w.is_training else inference_schedule(spec, w)
