@@ -95,6 +95,96 @@ def trace(as_json, save_trace, **options):
     emit(add_device_memory(report, events, exact=True), as_json)
 
 
+def layout_options(command):
+    options = [
+        click.option("--gpus", type=int, default=1, show_default=True, help="GPUs (per-GPU memory is reported)."),
+        click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree."),
+        click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree."),
+        click.option("--sharding", type=click.Choice(["none", "ddp", "zero1", "zero2", "zero3"]), default=None,
+                     help="Data-parallel sharding.  [default: ddp with several GPUs]"),
+        click.option("--offload", type=click.Choice(["none", "optimizer", "optimizer+params"]), default="none",
+                     show_default=True, help="DeepSpeed ZeRO-Offload to host memory."),
+    ]
+    return functools.reduce(lambda cmd, option: option(cmd), reversed(options), command)
+
+
+def make_layout(spec, workload, gpus, tp, pp, sharding, offload):
+    from llamem.errors import InvalidWorkload
+    from llamem.parallel import Layout, check_layout
+
+    if gpus % (tp * pp):
+        raise InvalidWorkload([f"--gpus {gpus} is not a multiple of --tp {tp} x --pp {pp}"])
+    dp = gpus // (tp * pp)
+    sharding = sharding or ("ddp" if dp > 1 else "none")
+    layout = Layout(dp=dp, tp=tp, pp=pp, sharding=sharding, offload=offload,
+                    microbatches=max(workload.grad_accum, pp) if pp > 1 else 1)
+    problems = check_layout(spec, layout)
+    if problems:
+        raise InvalidWorkload(problems)
+    return layout
+
+
+@app.command()
+@workload_options
+@click.option("--gpu", "gpu_name", help="A card from `llamem gpus`.")
+@click.option("--budget", help="Free memory of any card, e.g. 22GiB (instead of --gpu).")
+@click.option("--gpus", type=int, default=1, show_default=True, help="GPUs available.")
+@click.option("--min-gpus", is_flag=True, help="Find the fewest GPUs of this kind that fit.")
+@click.option("--maximize", type=click.Choice(["batch", "seq"]), help="Also report the largest batch or sequence.")
+@click.option("--host-memory", help="Host RAM usable for offload.  [default: this machine's RAM]")
+@click.option("--verify", is_flag=True, help="Re-check the winning plan with `llamem trace` (needs torch).")
+def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verify, **options):
+    """The cheapest set of changes that fits a GPU: a ladder, and the command that reproduces it."""
+    from llamem.gpus import budget_gpu, get_gpu
+    from llamem.plan import does_not_fit, make_plan
+    from llamem.reporters.plan_report import plan_to_dict, render_plan
+    from llamem.units import parse_size
+
+    if bool(gpu_name) == bool(budget):
+        from llamem.errors import LlamemError
+
+        raise LlamemError("name a card with --gpu NAME (see `llamem gpus`) or give a memory budget with "
+                          "--budget SIZE, one of the two")
+    spec, workload, teacher = resolve(**options)
+    gpu = get_gpu(gpu_name) if gpu_name else budget_gpu(parse_size(budget))
+    host = parse_size(host_memory) if host_memory else _host_memory_bytes()
+    result = make_plan(spec, workload, gpu, num_gpus=gpus, host_budget_bytes=host, teacher=teacher,
+                       maximize=maximize, min_gpus=min_gpus)
+    if verify and result.fits:
+        from llamem.plan_verify import verify_plan
+
+        result.verification = verify_plan(result)
+    click.echo(json.dumps(plan_to_dict(result), indent=2) if as_json else render_plan(result))
+    if not result.fits:
+        raise does_not_fit(result)
+
+
+def _host_memory_bytes() -> int:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 64 * 2**30
+
+
+@app.command()
+@click.option("--json", "as_json", is_flag=True)
+def gpus(as_json):
+    """List the GPU catalog: memory, formats, speed, bandwidth, sources."""
+    from llamem.gpus import CATALOG
+
+    if as_json:
+        click.echo(json.dumps([{**g.__dict__, "usable_bytes": g.usable_bytes} for g in CATALOG.values()], indent=2))
+        return
+    click.echo(f"{'name':<14} {'memory':>10} {'usable':>10} {'bf16':>5} {'fp8':>4} {'bf16 TFLOP/s':>13} "
+               f"{'mem TB/s':>9} {'link GB/s':>10}")
+    for g in CATALOG.values():
+        click.echo(f"{g.name:<14} {g.memory_bytes / 2**30:>6.1f} GiB {g.usable_bytes / 2**30:>6.1f} GiB "
+                   f"{'yes' if g.bf16 else 'no':>5} {'yes' if g.fp8 else 'no':>4} {g.bf16_flops / 1e12:>13.0f} "
+                   f"{g.memory_bandwidth / 1e12:>9.2f} {g.interconnect_bandwidth / 1e9:>10.0f}")
+
+
 @app.command()
 @click.option("--json", "as_json", is_flag=True)
 def models(as_json):

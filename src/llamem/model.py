@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,9 @@ class ModelSpec:
     @property
     def params_per_layer(self) -> int:
         """Linear weights (+ biases if any) and the two RMSNorm weights of one decoder layer."""
+        return _params_per_layer(self)
+
+    def _count_params_per_layer(self) -> int:
         total = 2 * self.hidden_size
         for name, (fan_in, fan_out) in self.layer_linear_shapes().items():
             total += fan_in * fan_out
@@ -115,6 +119,11 @@ class ModelSpec:
     def kv_bytes_per_token(self, bytes_per_element: float = 2) -> int:
         """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes (GQA-sized, never hidden_size)."""
         return int(2 * self.num_layers * self.kv_dim * bytes_per_element)
+
+
+@lru_cache(maxsize=1024)
+def _params_per_layer(spec: ModelSpec) -> int:
+    return spec._count_params_per_layer()
 
 
 def preset_names() -> list[str]:

@@ -95,8 +95,11 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
     final_out_saved = final_out if (train_all and not w.mixed) else 0
     if teacher is not None:
         final_out = final_out_saved  # distillation's peak is in the KL, after the model has returned
+    head_numel = spec.vocab_size * spec.hidden_size
+    head_grad = (r512(DTYPE_BYTES[w.weight_dtype] * head_numel) + r512(DTYPE_BYTES[w.compute_dtype] * head_numel)
+                 if train_all else 0)
     logits = training_logits(w, spec.vocab_size, spec.hidden_size, head_trains=train_all and w.mixed,
-                             teacher=teacher is not None)
+                             teacher=teacher is not None, head_grad_bytes=head_grad)
 
     # Without checkpointing, transformers builds a DynamicCache in training too (use_cache defaults to
     # True); it holds every layer's K and V until the output is dropped after the loss. Under autocast

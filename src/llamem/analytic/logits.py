@@ -29,7 +29,7 @@ class LogitsBytes:
 
 
 def training_logits(workload: Workload, vocab_size: int, hidden_size: int, head_trains: bool,
-                    teacher: bool = False) -> LogitsBytes:
+                    teacher: bool = False, head_grad_bytes: int = 0) -> LogitsBytes:
     T = workload.batch * workload.seq
     TV = T * vocab_size
     # ForCausalLMLoss pads and shifts the labels (two int64 copies); nll_loss adds its scalars.
@@ -42,7 +42,10 @@ def training_logits(workload: Workload, vocab_size: int, hidden_size: int, head_
     if workload.loss == "chunked":
         chunk = -(-workload.seq // LOSS_CHUNKS) * workload.batch * vocab_size
         forward_peak = head_input + lsm + r512(e_logits * chunk) + (r512(4 * chunk) if e_logits < 4 else 0)
-        return LogitsBytes(forward_peak, head_input + lsm, head_input + lsm + 2 * r512(4 * chunk))
+        # Each chunk's backward adds its share of the head's weight gradient out of place: the
+        # running sum (weight dtype) and the new part (compute dtype) are alive together.
+        return LogitsBytes(forward_peak, head_input + lsm,
+                           head_input + lsm + r512(4 * chunk) + r512(e_logits * chunk) + head_grad_bytes)
     if teacher:
         # Student and teacher logits; log_softmax of the CE and of both KL inputs (their fp32
         # upcasts die at once); the KL's elementwise terms (t - s, exp(t), their product).

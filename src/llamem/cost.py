@@ -1,0 +1,93 @@
+"""Relative step time: a roofline-style cost model to rank plans that fit.
+
+Per step on the busiest GPU:
+- compute: training 6·N·tokens (forward 2N, backward 4N; LoRA/QLoRA skip the frozen
+  weights' gradients: 4N) plus attention 12·L·h·s per token (forward, backward); full
+  activation checkpointing recomputes the forward (+2N, +1/3), every-K a 1/K share of it;
+  divided by the cards' dense bf16 FLOP/s at 40 % utilisation (a typical MFU for LLaMA
+  training with transformers); QLoRA's dequantization adds 25 % to the base matmuls, int8
+  inference 15 %;
+- inference: prefill like a forward; decode is memory-bound: weights plus KV cache read once
+  per new token at the card's memory bandwidth;
+- communication: data parallel all-reduce (DDP, ZeRO-1/2) moves 2·(n-1)/n of the gradients,
+  ZeRO-3/FSDP adds two all-gathers of the bf16 weights; tensor parallel moves four
+  activations per layer (2·(t-1)/t each); within a node at its interconnect, across nodes at
+  50 GB/s per GPU (400 Gb/s InfiniBand NDR); no overlap with compute is assumed;
+- pipeline bubble (p-1)/(m+p-1) on compute;
+- offload: gradients to and weights from the host over PCIe each step, and the CPU AdamW
+  update at 10 GB/s of optimizer state.
+Left out: kernel efficiency differences between shapes, overlap of communication and
+compute, stragglers, data loading. The figure ranks plans; it is not a wall-clock promise.
+"""
+
+from __future__ import annotations
+
+from llamem.gpus import GPU
+from llamem.model import ModelSpec
+from llamem.parallel import Layout
+from llamem.workload import Workload
+
+MFU = 0.40
+INTER_NODE_BANDWIDTH = 50e9
+CPU_ADAM_BYTES_PER_S = 10e9
+
+
+def step_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
+    if not w.is_training:
+        return _inference_seconds(spec, w, layout, gpu)
+    tokens = w.batch * w.seq * w.grad_accum * layout.dp * max(layout.microbatches if layout.pp > 1 else 1, 1)
+    N = spec.num_params
+    backward = 2 if w.uses_adapters else 4
+    flops = tokens * ((2 + backward) * N + 12 * spec.num_layers * spec.hidden_size * w.seq)
+    if w.ac_every:
+        flops += tokens * 2 * N / w.ac_every
+    if w.task == "qlora":
+        flops *= 1.25
+    compute = flops / (gpu.bf16_flops * MFU * layout.num_gpus)
+    if layout.pp > 1:
+        m = max(layout.microbatches, 1)
+        compute *= 1 + (layout.pp - 1) / (m + layout.pp - 1)
+    return compute + _communication(spec, w, layout, gpu) + _offload(spec, w, layout, gpu)
+
+
+def _bandwidth(layout: Layout, gpu: GPU, group: int) -> float:
+    return gpu.interconnect_bandwidth if group <= gpu.gpus_per_node else INTER_NODE_BANDWIDTH
+
+
+def _communication(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
+    seconds = 0.0
+    n, t = layout.dp, layout.tp
+    trainable = spec.num_params / (t * layout.pp)
+    if w.uses_adapters:
+        trainable = trainable * 0.01
+    if n > 1:
+        bw = _bandwidth(layout, gpu, n * t)
+        grad_bytes = 2 * trainable
+        seconds += 2 * (n - 1) / n * grad_bytes / bw
+        if layout.sharding == "zero3":
+            seconds += 2 * (n - 1) / n * 2 * spec.num_params / (t * layout.pp) / bw
+    if t > 1:
+        activation = w.batch * w.seq * spec.hidden_size * 2
+        per_layer = 4 * 2 * (t - 1) / t * activation
+        seconds += spec.num_layers / layout.pp * per_layer * w.grad_accum / _bandwidth(layout, gpu, t)
+    return seconds
+
+
+def _offload(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
+    if layout.offload == "none":
+        return 0.0
+    local = spec.num_params / (layout.tp * layout.pp * layout.dp)
+    traffic = 2 * local + 2 * local  # bf16 gradients out, bf16 weights back
+    if layout.offload == "optimizer+params":
+        traffic += 2 * 2 * spec.num_params / (layout.tp * layout.pp)  # weights streamed in forward and backward
+    return traffic / gpu.pcie_bandwidth + 16 * local / CPU_ADAM_BYTES_PER_S
+
+
+def _inference_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
+    prefill = w.batch * w.seq * 2 * spec.num_params / (gpu.bf16_flops * MFU * layout.num_gpus)
+    weight_bytes = spec.num_params * {"none": 2, "int8": 1, "nf4": 0.5, "int4": 0.5}[w.quant]
+    kv = spec.kv_bytes_per_token(2) * w.batch * (w.seq + w.new_tokens / 2)
+    decode = w.new_tokens * (weight_bytes + kv) / (gpu.memory_bandwidth * layout.num_gpus)
+    if w.quant != "none":
+        decode *= 1.15
+    return prefill + decode + _communication(spec, w, layout, gpu) * w.new_tokens
