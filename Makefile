@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(BIN)/llamem estimate llama-3.1-8b --task lora --batch 2 --seq 4096
+	$(BIN)/llamem plan llama-3.1-8b --gpu rtx-4090 --task lora --batch 4 --seq 2048
 
 test: setup
 	$(BIN)/python -m pytest
@@ -25,6 +25,10 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/analytic_speed.py
 	$(BIN)/python benchmarks/accuracy.py
+	$(BIN)/python benchmarks/replay_speed.py
+	$(BIN)/python benchmarks/plan_speed.py
+	$(BIN)/python benchmarks/trace_speed.py
+	$(BIN)/python benchmarks/plan_accuracy.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

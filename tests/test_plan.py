@@ -99,10 +99,15 @@ def test_maximize_batch_is_the_edge(capsys):
     data = json.loads(out)
     value = data["maximized"]["value"]
     assert code == 0 and value >= 1
-    # one more does not fit with any configuration the planner knows
-    code, out, _ = run(capsys, "plan", "llama-3.2-1b", "--gpu", "l4", "--task", "lora", "--seq", "1024",
-                       "--batch", str(value + 1), "--json")
-    assert code == 2
+    # one more does not fit with any configuration the planner knows (no accumulation allowed)
+    from llamem.plan import Planner
+
+    planner = Planner(load_model("llama-3.2-1b"), get_gpu("l4"), host_budget_bytes=24 * GiB)
+    planner.fixed_micro_batch = True
+    workload = build_workload(task="lora", seq=1024)
+    assert planner.best(build_workload(task="lora", seq=1024, batch=value), 1)[0] is not None
+    assert planner.best(build_workload(task="lora", seq=1024, batch=value + 1), 1)[0] is None
+    assert workload.batch == 1
 
 
 # Per-GPU memory held to DeepSpeed's and FSDP2's own numbers --------------------------------

@@ -69,20 +69,13 @@ def measure(spec: ModelSpec, workload: Workload) -> dict:
     if not torch.cuda.is_available():
         raise MissingDependency("measuring needs a CUDA device; none is visible")
     from llamem.trace import run as runner
-    from llamem.trace.build import build_meta_model
+    from llamem.trace.build import build_meta_model, materialise
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     baseline_nvml = nvml_used_bytes()
     meter = PhaseMeter(torch)
-    model = build_meta_model(spec, workload)
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if tied:
-        base.lm_head._parameters.pop("weight")
-    model = model.to_empty(device="cuda")
-    if tied:
-        base.lm_head.weight = base.model.embed_tokens.weight
+    model = materialise(build_meta_model(spec, workload), "cuda")
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.02)

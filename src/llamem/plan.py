@@ -125,9 +125,8 @@ class Planner:
 
         local = shard_spec(self.spec, c.layout)
         result = replay(schedule(local, c.workload))
-        waste = max(0, result.peak_reserved_bytes - result.peak_allocated_bytes)
-        waste = min(waste, int(0.25 * c.allocated_bytes))  # the synthetic schedule is coarse: cap its guess
-        return c.allocated_bytes + waste + non_torch_bytes(c.layout.num_gpus)
+        ratio = max(0.0, result.peak_reserved_bytes / max(result.peak_allocated_bytes, 1) - 1)
+        return int(c.allocated_bytes * (1 + ratio)) + non_torch_bytes(c.layout.num_gpus)
 
     # Search space ---------------------------------------------------------------------------
     def layouts(self, num_gpus: int, w: Workload) -> list[Layout]:
@@ -190,6 +189,8 @@ class Planner:
         losses = ["full", "chunked"] if w.is_training else ["full"]
         for (changes, tier), layout in itertools.product(self.structural_variants(w), self.layouts(num_gpus, w)):
             for micro, accum in self.micro_batches(w):
+                # Smaller micro-batches are tried while the larger one needed checkpointing or a
+                # chunked loss: they may need less of either, and accumulation costs no time.
                 found = False
                 for loss, ac in itertools.product(losses, ac_choices):
                     options = dict(changes, ac_every=ac, loss=loss, batch=micro, grad_accum=accum)
@@ -202,7 +203,7 @@ class Planner:
                     candidate = self.evaluate(variant, layout, tier)
                     yield candidate
                     if candidate.fits(self.gpu) and candidate.host_bytes <= self.host_budget:
-                        found = True
+                        found = not variant.ac_every and variant.loss == "full"
                         break
                 if found:
                     break
@@ -289,38 +290,38 @@ def make_plan(spec: ModelSpec, w: Workload, gpu: GPU, *, num_gpus: int = 1, host
               teacher: ModelSpec | None = None, maximize: str | None = None, min_gpus: bool = False,
               max_gpus: int = 1024) -> Plan:
     planner = Planner(spec, gpu, host_budget_bytes=host_budget_bytes, teacher=teacher)
-    counts = [n for n in (2**k for k in range(11)) if n <= max_gpus] if min_gpus else [num_gpus]
+    maximized = None
     final = smallest = None
-    for count in counts:
-        final, smallest = planner.best(w, count)
-        if final is not None:
+    if maximize:
+        # The requested size need not fit: the question is how large it can be.
+        value, final = planner.maximize(w, num_gpus, maximize)
+        maximized = {"what": maximize, "value": value}
+        if final is None:
+            planner.fixed_micro_batch = False
+            _, smallest = planner.best(dataclasses.replace(
+                w, **({"batch": 1, "grad_accum": 1} if maximize == "batch" else {"seq": 1})), num_gpus)
+    else:
+        counts = [n for n in (2**k for k in range(11)) if n <= max_gpus] if min_gpus else [num_gpus]
+        for count in counts:
+            final, smallest = planner.best(w, count)
             num_gpus = count
-            break
-    if min_gpus and final is None:
-        num_gpus = counts[-1]
-    start = planner.start_candidate(w, num_gpus)
+            if final is not None:
+                break
+    reference = final.workload if final is not None else (smallest.workload if smallest else w)
+    start_w = dataclasses.replace(w, **{f: getattr(reference, f) for f in ("batch", "seq")},
+                                  grad_accum=reference.grad_accum if maximize != "batch" else 1) if maximize else w
+    start = planner.start_candidate(start_w, num_gpus)
     start = dataclasses.replace(start, device_bytes=planner.exact_device_bytes(start))
     if final is None:
         best = dataclasses.replace(smallest, device_bytes=planner.exact_device_bytes(smallest))
         plan = Plan(spec, gpu, num_gpus, False, start, best, planner.ladder(start, best),
-                    shortfall_bytes=planner.excess(best), host_budget_bytes=host_budget_bytes)
+                    shortfall_bytes=planner.excess(best), host_budget_bytes=host_budget_bytes, maximized=maximized)
         if best.host_bytes > host_budget_bytes:
             plan.notes.append(f"the closest plan offloads to host memory and needs {best.host_bytes / 2**30:.1f} GiB "
                               f"of it (budget {host_budget_bytes / 2**30:.1f} GiB, set with --host-memory)")
-        plan.notes.append(f"{planner.evaluated} configurations evaluated")
-        return plan
-    if maximize:
-        value, at_max = planner.maximize(w, num_gpus, maximize)
-        if at_max is not None:
-            final = at_max
-            start = planner.start_candidate(at_max.workload if maximize == "seq" else dataclasses.replace(
-                w, batch=value, grad_accum=1), num_gpus)
-            start = dataclasses.replace(start, device_bytes=planner.exact_device_bytes(start))
-        maximized = {"what": maximize, "value": value}
-    plan = Plan(spec, gpu, num_gpus, True, start, final, planner.ladder(start, final),
-                host_budget_bytes=host_budget_bytes)
-    if maximize:
-        plan.maximized = maximized
+    else:
+        plan = Plan(spec, gpu, num_gpus, True, start, final, planner.ladder(start, final),
+                    host_budget_bytes=host_budget_bytes, maximized=maximized)
     plan.notes.append(f"{planner.evaluated} configurations evaluated")
     return plan
 

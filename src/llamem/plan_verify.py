@@ -1,4 +1,8 @@
-"""`llamem plan --verify`: re-check the winning plan with the trace engine (single-GPU plans)."""
+"""`llamem plan --verify`: re-check the winning plan with the trace engine (single-GPU plans).
+
+With `--maximize`, the trace engine also settles the edge: starting from the analytic answer
+N, it checks N and N+1 and moves until N fits and N+1 does not (a few traces at most).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import dataclasses
 
 from llamem.errors import MissingDependency
 from llamem.plan import Plan
+
+MAX_PROBES = 16
 
 
 def verify_plan(plan: Plan) -> dict:
@@ -15,13 +21,45 @@ def verify_plan(plan: Plan) -> dict:
         import torch  # noqa: F401
     except ImportError as err:  # pragma: no cover - torch missing
         raise MissingDependency("--verify needs torch: pip install 'llamem[torch]'") from err
-    workload = plan.final.workload
-    result = {"verified": True, **_check(plan, workload)}
-    if plan.maximized and plan.maximized["value"]:
-        key, value = plan.maximized["what"], plan.maximized["value"]
-        one_more = dataclasses.replace(workload, **({"batch": value + 1} if key == "batch" else {"seq": value + 1}))
-        result["one_more"] = _check(plan, one_more)
-    return result
+    if not plan.maximized or not plan.maximized["value"]:
+        return {"verified": True, **_check(plan, plan.final.workload)}
+    return _settle_edge(plan)
+
+
+def _with_value(workload, what: str, value: int):
+    return dataclasses.replace(workload, **({"batch": value, "grad_accum": 1} if what == "batch" else {"seq": value}))
+
+
+def _settle_edge(plan: Plan) -> dict:
+    """Gallop from the analytic answer (steps 1, 2, 4, ...) until the trace disagrees, then bisect."""
+    what, analytic_value = plan.maximized["what"], plan.maximized["value"]
+    results: dict[int, dict] = {}
+
+    def fits(value: int) -> bool:
+        if value not in results:
+            results[value] = _check(plan, _with_value(plan.final.workload, what, value))
+        return results[value]["fits"]
+
+    if fits(analytic_value):
+        low, step = analytic_value, 1
+        while len(results) < MAX_PROBES and fits(low + step):
+            low, step = low + step, step * 2
+        high = low + step
+    else:
+        high, step = analytic_value, 1
+        while len(results) < MAX_PROBES and high - step >= 1 and not fits(high - step):
+            high, step = high - step, step * 2
+        low = max(high - step, 0)
+    while high - low > 1 and len(results) < MAX_PROBES:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    settled = high - 1 == low and low in results and results[low]["fits"] and (high not in results or not
+                                                                               results[high]["fits"])
+    plan.maximized.update(value=low, analytic_value=analytic_value, settled=settled)
+    plan.final = dataclasses.replace(plan.final, workload=_with_value(plan.final.workload, what, max(low, 1)))
+    here = results.get(low) or _check(plan, plan.final.workload)
+    above = results.get(low + 1)
+    return {"verified": True, **here, "one_more": above, "traces": len(results), "settled": settled}
 
 
 def _check(plan: Plan, workload) -> dict:

@@ -23,7 +23,9 @@ def add_device_memory(report: MemoryReport, events: list[AllocEvent], *, exact: 
     if exact:
         reserved = max(result.peak_reserved_bytes, report.peak_allocated_bytes)
     else:
-        reserved = report.peak_allocated_bytes + max(0, result.peak_reserved_bytes - result.peak_allocated_bytes)
+        # The schedule's sizes are coarser than the analytic peak: carry over its fragmentation ratio.
+        ratio = max(0.0, result.peak_reserved_bytes / max(result.peak_allocated_bytes, 1) - 1)
+        reserved = int(report.peak_allocated_bytes * (1 + ratio))
     notes = list(report.notes)
     waste = reserved - report.peak_allocated_bytes
     source = "the traced allocations" if exact else "a synthetic allocation schedule"

@@ -19,7 +19,7 @@ from llamem.analytic.optimizer import optimizer_state_bytes
 from llamem.analytic.weights import linear_weight_bytes, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
-from llamem.workload import Workload
+from llamem.workload import LOSS_CHUNKS, Workload
 
 MAX_DECODE_STEPS = 32
 
@@ -78,13 +78,17 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
         head_count = 2 if spec.lm_head_params else 1
         head, layers, tail = grad_sizes[-head_count:], grad_sizes[1:-head_count], grad_sizes[:1]
     per_layer = len(layers) // max(spec.num_layers, 1)
+    state_sizes = []
     for key, total in optimizer_state_bytes(spec, w).items():
         if key != "optimizer/step":
-            ev.alloc(_chunks(total, max(total // max(len(grad_sizes), 1), 512)))
+            state_sizes += _chunks(total, max(total // max(len(grad_sizes), 1), 512))
+    # Autocast's weight copies: made layer by layer in forward, kept until that layer's backward.
+    copies = ([r512(2 * i * o) for i, o in spec.layer_linear_shapes().values()] if w.mixed else [])
     TV = T * spec.vocab_size
-    for _step in range(2):
-        saved_layers = []
+    for step in range(2):
+        saved_layers, layer_copies = [], []
         for index in range(spec.num_layers):
+            layer_copies.append(ev.alloc(copies))
             parts = ({"checkpoint": act.stream_bytes(w, spec)} if act.is_checkpointed(w, index)
                      else act.layer_saved_bytes(spec, w, index))
             ids = []
@@ -92,18 +96,37 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
                 ids += ev.alloc(_chunks(total, unit_i if part == "mlp" else unit_h))
             ev.free(ev.alloc([unit_i, unit_i]))  # the layer's transients
             saved_layers.append(ids)
-        logits = ev.alloc([r512(ae * TV), r512(4 * TV)])
-        log_softmax = ev.alloc([r512(4 * TV)])
-        ev.free(logits)
-        ev.free(ev.alloc([r512(4 * TV), r512(4 * TV)]) + log_softmax)  # the loss backward
+        if w.loss == "chunked":  # one chunk's logits at a time; every chunk's log-softmax kept
+            log_softmax = []
+            for _chunk in range(LOSS_CHUNKS):
+                logits = ev.alloc([r512(ae * TV // LOSS_CHUNKS), r512(4 * TV // LOSS_CHUNKS)])
+                log_softmax += ev.alloc([r512(4 * TV // LOSS_CHUNKS)])
+                ev.free(logits)
+            for chunk_lsm in reversed(log_softmax):
+                ev.free(ev.alloc([r512(4 * TV // LOSS_CHUNKS), r512(ae * TV // LOSS_CHUNKS)]) + [chunk_lsm])
+        else:  # in the order of ForCausalLMLoss and its backward
+            e_logits = 4 if w.compute_dtype == "fp32" else 2
+            logits = ev.alloc([r512(e_logits * TV)])
+            upcast = ev.alloc([r512(4 * TV)]) if e_logits < 4 else []
+            log_softmax = ev.alloc([r512(4 * TV)])
+            ev.free(upcast)
+            ev.free(logits)  # the model output is dropped once the loss is read
+            nll_grad = ev.alloc([r512(4 * TV)])
+            softmax_grad = ev.alloc([r512(4 * TV)])
+            ev.free(nll_grad + log_softmax)
+            logits_grad = ev.alloc([r512(e_logits * TV)]) if e_logits < 4 else []
+            ev.free(softmax_grad)
+            ev.free(ev.alloc([unit_h]) + logits_grad)  # the head's input gradient
         grads = ev.alloc(head)
         for index in reversed(range(spec.num_layers)):
             recomputed = (ev.alloc(_chunks(sum(act.layer_saved_bytes(spec, w, index).values()), unit_i))
                           if act.is_checkpointed(w, index) else [])
             transient = ev.alloc([unit_h, unit_i, unit_i, unit_i])
             grads += ev.alloc(layers[index * per_layer:(index + 1) * per_layer])
-            ev.free(transient + recomputed + saved_layers[index])
+            ev.free(transient + recomputed + saved_layers[index] + layer_copies[index])
         grads += ev.alloc(tail)
+        if step == 0:
+            ev.alloc(state_sizes)  # the optimizer creates its state in the first step, into the holes
         temporaries = ev.alloc(grad_sizes) if w.optimizer in ("adamw", "adafactor") else []
         ev.free(temporaries + grads)
     return ev.events

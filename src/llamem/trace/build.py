@@ -133,3 +133,16 @@ def _add_lora_on_emulated(model: nn.Module, workload: Workload):
                 if name in workload.lora_targets:
                     setattr(parent, name, LoraOnQuant(child, workload.lora_rank))
     return model
+
+
+def materialise(model, device: str):
+    """`to_empty` on `device`, allocating a tied head once (as from_pretrained does): the head
+    shares the embedding's storage, so it is detached first and tied back after."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if tied:
+        base.lm_head._parameters.pop("weight")
+    model = model.to_empty(device=device)
+    if tied:
+        base.lm_head.weight = base.model.embed_tokens.weight
+    return model

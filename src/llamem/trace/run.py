@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from llamem.model import ModelSpec
 from llamem.report import MemoryReport
-from llamem.trace.build import TORCH_DTYPES, build_meta_model
+from llamem.trace.build import TORCH_DTYPES, build_meta_model, materialise
 from llamem.trace.tracer import StorageTracer
 from llamem.workload import LOSS_CHUNKS, Workload
 
@@ -91,15 +91,7 @@ def _teacher_workload(workload: Workload) -> Workload:
 
 def _materialise(model, tracer: StorageTracer, category: str):
     tracer.phase, tracer.category = "load", category
-    # A tied head shares the embedding's storage: detach it before materialising so the
-    # weight is allocated once, as from_pretrained does, then tie it back.
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if tied:
-        base.lm_head._parameters.pop("weight")
-    model = model.to_empty(device="cpu")
-    if tied:
-        base.lm_head.weight = base.model.embed_tokens.weight
+    model = materialise(model, "cpu")
     for name, param in model.named_parameters():
         tracer.label(param, "weights/adapters" if "lora_" in name else category)
     for name, buffer in model.named_buffers():
