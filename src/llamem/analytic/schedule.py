@@ -15,8 +15,8 @@ from llamem.allocator.replay import AllocEvent
 from llamem.analytic import activations as act
 from llamem.analytic.common import r512
 from llamem.analytic.kv_cache import kv_layer_tensor_bytes
-from llamem.analytic.optimizer import optimizer_state_bytes
-from llamem.analytic.weights import linear_weight_bytes, trainable_tensor_sizes
+from llamem.analytic.optimizer import BNB_BLOCK, BNB_MIN_8BIT_SIZE
+from llamem.analytic.weights import linear_weight_bytes, trainable_numels, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import LOSS_CHUNKS, Workload
@@ -78,10 +78,7 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
         head_count = 2 if spec.lm_head_params else 1
         head, layers, tail = grad_sizes[-head_count:], grad_sizes[1:-head_count], grad_sizes[:1]
     per_layer = len(layers) // max(spec.num_layers, 1)
-    state_sizes = []
-    for key, total in optimizer_state_bytes(spec, w).items():
-        if key != "optimizer/step":
-            state_sizes += _chunks(total, max(total // max(len(grad_sizes), 1), 512))
+    state_sizes = optimizer_state_tensors(w, trainable_numels(spec, w), param_bytes=grad_sizes)
     # Autocast's weight copies: made layer by layer in forward, kept until that layer's backward.
     copies = ([r512(2 * i * o) for i, o in spec.layer_linear_shapes().values()] if w.mixed else [])
     TV = T * spec.vocab_size
@@ -106,6 +103,9 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
                 ev.free(ev.alloc([r512(4 * TV // LOSS_CHUNKS), r512(ae * TV // LOSS_CHUNKS)]) + [chunk_lsm])
         else:  # in the order of ForCausalLMLoss and its backward
             e_logits = 4 if w.compute_dtype == "fp32" else 2
+            # Autocast casts the head's weight and input just before the logits: small tensors
+            # that land in (and split) whatever large cached block is free.
+            head_casts = ev.alloc([r512(2 * spec.vocab_size * spec.hidden_size), unit_h]) if w.mixed else []
             logits = ev.alloc([r512(e_logits * TV)])
             upcast = ev.alloc([r512(4 * TV)]) if e_logits < 4 else []
             log_softmax = ev.alloc([r512(4 * TV)])
@@ -116,7 +116,7 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
             ev.free(nll_grad + log_softmax)
             logits_grad = ev.alloc([r512(e_logits * TV)]) if e_logits < 4 else []
             ev.free(softmax_grad)
-            ev.free(ev.alloc([unit_h]) + logits_grad)  # the head's input gradient
+            ev.free(ev.alloc([unit_h]) + logits_grad + head_casts)  # the head's input gradient
         grads = ev.alloc(head)
         for index in reversed(range(spec.num_layers)):
             recomputed = (ev.alloc(_chunks(sum(act.layer_saved_bytes(spec, w, index).values()), unit_i))
@@ -132,16 +132,94 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
     return ev.events
 
 
+def optimizer_state_tensors(w: Workload, numels: list[int], param_bytes: list[int]) -> list[int]:
+    """The optimizer's state tensors in the order it creates them: parameter by parameter."""
+    out: list[int] = []
+    for numel, size in zip(numels, param_bytes):
+        if w.optimizer == "adamw":
+            out += [512, size, size]  # step, exp_avg, exp_avg_sq
+        elif w.optimizer == "sgd":
+            out.append(size)
+        elif w.optimizer == "adafactor":
+            out += [512, r512(size // max(numel, 1) * int(numel ** 0.5) * 2)]  # row and column vectors, roughly
+        elif numel >= BNB_MIN_8BIT_SIZE:
+            blocks = r512(4 * -(-numel // BNB_BLOCK))
+            out += [512, r512(numel), r512(numel), blocks, blocks]
+        else:
+            out += [512, r512(4 * numel), r512(4 * numel)]
+    return out
+
+
+def _norm_ops(ev: _Events, T: int, h: int, e: int) -> int:
+    """LlamaRMSNorm without autograd, in its allocation order (traced on transformers 5.x):
+    fp32 upcast, pow, mean, + eps, rsqrt, scale, cast back, times the weight."""
+    upcast = ev.alloc([r512(4 * T * h)]) if e < 4 else []
+    power = ev.alloc([r512(4 * T * h)])
+    mean = ev.alloc([r512(4 * T)])
+    ev.free(power)
+    plus_eps = ev.alloc([r512(4 * T)])
+    rsqrt = ev.alloc([r512(4 * T)])
+    ev.free(plus_eps)
+    normed = ev.alloc([r512(4 * T * h)])
+    ev.free(rsqrt + upcast)
+    cast = ev.alloc([r512(e * T * h)]) if e < 4 else []
+    out = ev.alloc([r512(e * T * h)])
+    ev.free(cast + normed + mean)
+    return out[0]
+
+
+def _rope_ops(ev: _Events, size: int) -> int:
+    """q * cos + rotate_half(q) * sin, as apply_rotary_pos_emb computes it."""
+    first = ev.alloc([size])
+    neg = ev.alloc([r512(size // 2)])
+    cat = ev.alloc([size])
+    ev.free(neg)
+    second = ev.alloc([size])
+    ev.free(cat)
+    out = ev.alloc([size])
+    ev.free(first + second)
+    return out[0]
+
+
 def inference_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
+    """Generation without autograd, op by op through each decoder layer as transformers runs it."""
     T = w.batch * w.seq
     e = act.compute_bytes(w)
+    h, q, kv, I = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
     ev = _Events()
     ev.alloc(weight_tensor_sizes(spec, w))
+    ev.alloc([r512(8 * T)])  # input ids
+    embeds = ev.alloc([r512(e * T * h)])[0]
+    ev.alloc([r512(e * w.seq * spec.head_dim)] * 2)  # RoPE cos, sin
     cache = []
+    x = embeds
     for _layer in range(spec.num_layers):
-        transient = ev.alloc([r512(e * T * spec.hidden_size)] * 2 + [r512(e * T * spec.intermediate_size)] * 3)
-        cache.append(ev.alloc([kv_layer_tensor_bytes(spec, w.batch, w.seq, w.kv_dtype)] * 2))
-        ev.free(transient)
+        y = _norm_ops(ev, T, h, e)
+        q_proj, k_proj, v_proj = ev.alloc([r512(e * T * q), r512(e * T * kv), r512(e * T * kv)])
+        q_rot = _rope_ops(ev, r512(e * T * q))
+        k_rot = _rope_ops(ev, r512(e * T * kv))
+        ev.free([q_proj, k_proj])
+        layer_cache = ev.alloc([kv_layer_tensor_bytes(spec, w.batch, w.seq, w.kv_dtype)] * 2)
+        ev.free([k_rot, v_proj])
+        attn = ev.alloc([r512(e * T * q)])
+        ev.free(ev.alloc([r512(4 * w.batch * spec.num_heads * w.seq)]))  # logsumexp
+        out = ev.alloc([r512(e * T * h)])
+        ev.free(attn + [q_rot, y])
+        h1 = ev.alloc([r512(e * T * h)])[0]
+        ev.free(out)
+        y2 = _norm_ops(ev, T, h, e)
+        gate = ev.alloc([r512(e * T * I)])
+        act_out = ev.alloc([r512(e * T * I)])
+        ev.free(gate)
+        up = ev.alloc([r512(e * T * I)])
+        product = ev.alloc([r512(e * T * I)])
+        ev.free(act_out + up)
+        down = ev.alloc([r512(e * T * h)])
+        ev.free(product + [y2])
+        h2 = ev.alloc([r512(e * T * h)])[0]
+        ev.free(down + [h1] + ([x] if x != embeds else []))
+        x = h2
+        cache.append(layer_cache)
     steps = min(max(w.new_tokens - 1, 0), MAX_DECODE_STEPS)
     start = w.seq + max(w.new_tokens - 1, 0) - steps
     for step in range(steps):
@@ -149,8 +227,7 @@ def inference_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
             grown = ev.alloc([kv_layer_tensor_bytes(spec, w.batch, start + step + 1, w.kv_dtype)] * 2)
             ev.free(cache[layer])
             cache[layer] = grown
-        logits = ev.alloc([r512(4 * w.batch * spec.vocab_size)])
-        ev.free(logits)
+        ev.free(ev.alloc([r512(4 * w.batch * spec.vocab_size)]))
     return ev.events
 
 
