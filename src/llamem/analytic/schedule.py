@@ -82,6 +82,8 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
     # Autocast's weight copies: made layer by layer in forward, kept until that layer's backward.
     copies = ([r512(2 * i * o) for i, o in spec.layer_linear_shapes().values()] if w.mixed else [])
     TV = T * spec.vocab_size
+    if not w.ac_every:
+        return _op_level_training(spec, w, ev, head, tail, grad_sizes, state_sizes)
     for step in range(2):
         saved_layers, layer_copies = [], []
         for index in range(spec.num_layers):
@@ -124,6 +126,72 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
             transient = ev.alloc([unit_h, unit_i, unit_i, unit_i])
             grads += ev.alloc(layers[index * per_layer:(index + 1) * per_layer])
             ev.free(transient + recomputed + saved_layers[index] + layer_copies[index])
+        grads += ev.alloc(tail)
+        if step == 0:
+            ev.alloc(state_sizes)  # the optimizer creates its state in the first step, into the holes
+        temporaries = ev.alloc(grad_sizes) if w.optimizer in ("adamw", "adafactor") else []
+        ev.free(temporaries + grads)
+    return ev.events
+
+
+def _loss(ev: _Events, spec: ModelSpec, w: Workload, unit_h: int) -> None:
+    """ForCausalLMLoss forward and backward, in order (chunked: torchtune's chunks)."""
+    T = w.batch * w.seq
+    TV = T * spec.vocab_size
+    ae = 2 if w.mixed else act.compute_bytes(w)
+    if w.loss == "chunked":  # one chunk's logits at a time; every chunk's log-softmax kept
+        log_softmax = []
+        for _chunk in range(LOSS_CHUNKS):
+            logits = ev.alloc([r512(ae * TV // LOSS_CHUNKS), r512(4 * TV // LOSS_CHUNKS)])
+            log_softmax += ev.alloc([r512(4 * TV // LOSS_CHUNKS)])
+            ev.free(logits)
+        for chunk_lsm in reversed(log_softmax):
+            ev.free(ev.alloc([r512(4 * TV // LOSS_CHUNKS), r512(ae * TV // LOSS_CHUNKS)]) + [chunk_lsm])
+        return
+    e_logits = 4 if w.compute_dtype == "fp32" else 2
+    # Autocast casts the head's weight and input just before the logits: small tensors that
+    # land in (and split) whatever large cached block is free.
+    head_casts = ev.alloc([r512(2 * spec.vocab_size * spec.hidden_size), unit_h]) if w.mixed else []
+    logits = ev.alloc([r512(e_logits * TV)])
+    upcast = ev.alloc([r512(4 * TV)]) if e_logits < 4 else []
+    log_softmax = ev.alloc([r512(4 * TV)])
+    ev.free(upcast)
+    ev.free(logits)  # the model output is dropped once the loss is read
+    nll_grad = ev.alloc([r512(4 * TV)])
+    softmax_grad = ev.alloc([r512(4 * TV)])
+    ev.free(nll_grad + log_softmax)
+    logits_grad = ev.alloc([r512(e_logits * TV)]) if e_logits < 4 else []
+    ev.free(softmax_grad)
+    ev.free(ev.alloc([unit_h]) + logits_grad + head_casts)  # the head's input gradient
+
+
+def _op_level_training(spec: ModelSpec, w: Workload, ev: _Events, head: list[int], tail: list[int],
+                       grad_sizes: list[int], state_sizes: list[int]) -> list[AllocEvent]:
+    from llamem.analytic.schedule_train import LayerTape, backward_layer, forward_layer, layer_grad_sizes
+
+    T = w.batch * w.seq
+    e = act.compute_bytes(w)
+    stream = r512((4 if w.mixed else e) * T * spec.hidden_size)
+    attention_grads, mlp_grads = layer_grad_sizes(spec, w)
+    for step in range(2):
+        ev.alloc([r512(8 * T)])  # input ids
+        x = ev.alloc([stream])[0]  # the embedding output
+        tapes, stream_end = [], []
+        for index in range(spec.num_layers):
+            tape = LayerTape(ev)
+            x = forward_layer(tape, spec, w, index, stream_end)
+            tapes.append(tape)
+        final = LayerTape(ev)
+        from llamem.analytic.schedule_train import _norm
+
+        train_all = w.task in ("train", "distill")
+        _norm(final, T, spec.hidden_size, e, w.mixed, True, train_all, out_keep=train_all and not w.mixed)
+        _loss(ev, spec, w, r512((2 if w.mixed else e) * T * spec.hidden_size))
+        ev.free(stream_end)
+        grads = ev.alloc(head)
+        ev.free(final.kept["norm1"])
+        for tape in reversed(tapes):
+            backward_layer(tape, spec, w, grads, attention_grads, mlp_grads)
         grads += ev.alloc(tail)
         if step == 0:
             ev.alloc(state_sizes)  # the optimizer creates its state in the first step, into the holes
