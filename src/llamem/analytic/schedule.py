@@ -95,30 +95,7 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
                 ids += ev.alloc(_chunks(total, unit_i if part == "mlp" else unit_h))
             ev.free(ev.alloc([unit_i, unit_i]))  # the layer's transients
             saved_layers.append(ids)
-        if w.loss == "chunked":  # one chunk's logits at a time; every chunk's log-softmax kept
-            log_softmax = []
-            for _chunk in range(LOSS_CHUNKS):
-                logits = ev.alloc([r512(ae * TV // LOSS_CHUNKS), r512(4 * TV // LOSS_CHUNKS)])
-                log_softmax += ev.alloc([r512(4 * TV // LOSS_CHUNKS)])
-                ev.free(logits)
-            for chunk_lsm in reversed(log_softmax):
-                ev.free(ev.alloc([r512(4 * TV // LOSS_CHUNKS), r512(ae * TV // LOSS_CHUNKS)]) + [chunk_lsm])
-        else:  # in the order of ForCausalLMLoss and its backward
-            e_logits = 4 if w.compute_dtype == "fp32" else 2
-            # Autocast casts the head's weight and input just before the logits: small tensors
-            # that land in (and split) whatever large cached block is free.
-            head_casts = ev.alloc([r512(2 * spec.vocab_size * spec.hidden_size), unit_h]) if w.mixed else []
-            logits = ev.alloc([r512(e_logits * TV)])
-            upcast = ev.alloc([r512(4 * TV)]) if e_logits < 4 else []
-            log_softmax = ev.alloc([r512(4 * TV)])
-            ev.free(upcast)
-            ev.free(logits)  # the model output is dropped once the loss is read
-            nll_grad = ev.alloc([r512(4 * TV)])
-            softmax_grad = ev.alloc([r512(4 * TV)])
-            ev.free(nll_grad + log_softmax)
-            logits_grad = ev.alloc([r512(e_logits * TV)]) if e_logits < 4 else []
-            ev.free(softmax_grad)
-            ev.free(ev.alloc([unit_h]) + logits_grad + head_casts)  # the head's input gradient
+        _loss(ev, spec, w, unit_h)
         grads = ev.alloc(head)
         for index in reversed(range(spec.num_layers)):
             recomputed = (ev.alloc(_chunks(sum(act.layer_saved_bytes(spec, w, index).values()), unit_i))
