@@ -103,12 +103,16 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
             transient = ev.alloc([unit_h, unit_i, unit_i, unit_i])
             grads += ev.alloc(layers[index * per_layer:(index + 1) * per_layer])
             ev.free(transient + recomputed + saved_layers[index] + layer_copies[index])
-        grads += ev.alloc(tail)
-        if step == 0:
-            ev.alloc(state_sizes)  # the optimizer creates its state in the first step, into the holes
-        temporaries = ev.alloc(grad_sizes) if w.optimizer in ("adamw", "adafactor") else []
-        ev.free(temporaries + grads)
+        _optimizer_step(ev, w, grads + ev.alloc(tail), grad_sizes, state_sizes if step == 0 else [])
     return ev.events
+
+
+def _optimizer_step(ev: _Events, w: Workload, grads: list[int], grad_sizes: list[int], new_state: list[int]) -> None:
+    """The step: state created on the first one (into the holes backward left), foreach
+    temporaries, then zero_grad(set_to_none=True) frees the gradients."""
+    ev.alloc(new_state)
+    temporaries = ev.alloc(grad_sizes) if w.optimizer in ("adamw", "adafactor") else []
+    ev.free(temporaries + grads)
 
 
 def _loss(ev: _Events, spec: ModelSpec, w: Workload, unit_h: int) -> None:
@@ -169,11 +173,7 @@ def _op_level_training(spec: ModelSpec, w: Workload, ev: _Events, head: list[int
         ev.free(final.kept["norm1"])
         for tape in reversed(tapes):
             backward_layer(tape, spec, w, grads, attention_grads, mlp_grads)
-        grads += ev.alloc(tail)
-        if step == 0:
-            ev.alloc(state_sizes)  # the optimizer creates its state in the first step, into the holes
-        temporaries = ev.alloc(grad_sizes) if w.optimizer in ("adamw", "adafactor") else []
-        ev.free(temporaries + grads)
+        _optimizer_step(ev, w, grads + ev.alloc(tail), grad_sizes, state_sizes if step == 0 else [])
     return ev.events
 
 
