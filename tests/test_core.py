@@ -13,7 +13,8 @@ from llamem.units import GiB, parse_size
 
 
 def test_core_is_torch_free():
-    code = "import llamem, llamem.cli, llamem.analytic, sys; print('torch' in sys.modules)"
+    code = ("import llamem, llamem.cli, llamem.analytic, llamem.plan, llamem.allocator, llamem.allocator.replay, "
+            "llamem.analytic.schedule, sys; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
