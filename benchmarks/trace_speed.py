@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
-import time
 
 CHILD_LLAMEM = """
 import json, resource, sys, time, warnings

@@ -96,7 +96,7 @@ def test_best_fit_picks_the_smallest_block_that_fits():
 
 def test_free_coalesces_neighbours_and_front_address_is_reused():
     s = sim()
-    a, b, c = s.malloc(3 * MiB), s.malloc(3 * MiB), s.malloc(3 * MiB)
+    a, b, _c = s.malloc(3 * MiB), s.malloc(3 * MiB), s.malloc(3 * MiB)
     s.free(a)
     s.free(b)
     d = s.malloc(6 * MiB)
@@ -123,7 +123,7 @@ def test_streams_do_not_share_cached_blocks():
 # empty_cache ------------------------------------------------------------------------------
 def test_empty_cache_keeps_a_segment_with_a_live_block():
     s = sim()
-    a, b = s.malloc(3 * MiB), s.malloc(3 * MiB)
+    a, _b = s.malloc(3 * MiB), s.malloc(3 * MiB)
     s.free(a)
     s.empty_cache()
     assert s.reserved_bytes == 20 * MiB

@@ -1,12 +1,12 @@
 """A synthetic allocation schedule for an analytic estimate, to replay through the allocator
 simulator (the trace engine replays its real event trace instead).
 
-Tensor by tensor where the analytic engine knows the tensors (weights, gradients, optimizer
-state, KV cache), and in chunks of a layer's characteristic tensor sizes for activations and
-temporaries; the order is a training step's (forward layer by layer, the loss, backward
-layer by layer in reverse freeing as it goes, the optimizer step) or generation's. Two steps
-are replayed so that the second sees the cache the first left. It approximates the order,
-not the sizes: fragmentation from it is an estimate, and the report says so.
+Tensor by tensor, in the order transformers' Llama code makes them: generation op by op
+through each layer (matches the traced replay's reserved memory), training forward op by op
+with what autograd saves kept (`schedule_train.py`), a coarser backward, the loss in
+`ForCausalLMLoss` order, the optimizer's state created in the first step. Two training steps
+are replayed so that the second sees the cache the first left. Fragmentation from it is an
+estimate, and the report says so.
 """
 
 from __future__ import annotations
@@ -42,15 +42,6 @@ class _Events:
         self.events.extend(AllocEvent("free", i, 0) for i in ids)
 
 
-def _chunks(total: int, unit: int) -> list[int]:
-    """`total` bytes as tensors of `unit` bytes (the last one smaller)."""
-    if total <= 0:
-        return []
-    unit = max(unit, 512)
-    count, rest = divmod(total, unit)
-    return [unit] * count + ([rest] if rest else [])
-
-
 def weight_tensor_sizes(spec: ModelSpec, w: Workload) -> list[int]:
     dtype = w.weight_dtype
     sizes = [r512(DTYPE_BYTES[dtype] * spec.embedding_params)]
@@ -65,46 +56,17 @@ def weight_tensor_sizes(spec: ModelSpec, w: Workload) -> list[int]:
 
 
 def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
-    T = w.batch * w.seq
-    ae = 2 if w.mixed else act.compute_bytes(w)
-    unit_h, unit_i = r512(ae * T * spec.hidden_size), r512(ae * T * spec.intermediate_size)
     ev = _Events()
     ev.alloc(weight_tensor_sizes(spec, w))
     grad_sizes = trainable_tensor_sizes(spec, w)
     if w.uses_adapters:
         ev.alloc(grad_sizes)  # the adapters themselves
-        head, layers, tail = [], grad_sizes, []
-    else:  # [embedding, layer 0 .. L-1, final norm, lm_head]
+        head, tail = [], []
+    else:  # [embedding, layer 0 .. L-1, final norm, lm_head]: the layers' own come from the tapes
         head_count = 2 if spec.lm_head_params else 1
-        head, layers, tail = grad_sizes[-head_count:], grad_sizes[1:-head_count], grad_sizes[:1]
-    per_layer = len(layers) // max(spec.num_layers, 1)
+        head, tail = grad_sizes[-head_count:], grad_sizes[:1]
     state_sizes = optimizer_state_tensors(w, trainable_numels(spec, w), param_bytes=grad_sizes)
-    # Autocast's weight copies: made layer by layer in forward, kept until that layer's backward.
-    copies = ([r512(2 * i * o) for i, o in spec.layer_linear_shapes().values()] if w.mixed else [])
-    TV = T * spec.vocab_size
-    if not w.ac_every:
-        return _op_level_training(spec, w, ev, head, tail, grad_sizes, state_sizes)
-    for step in range(2):
-        saved_layers, layer_copies = [], []
-        for index in range(spec.num_layers):
-            layer_copies.append(ev.alloc(copies))
-            parts = ({"checkpoint": act.stream_bytes(w, spec)} if act.is_checkpointed(w, index)
-                     else act.layer_saved_bytes(spec, w, index))
-            ids = []
-            for part, total in parts.items():
-                ids += ev.alloc(_chunks(total, unit_i if part == "mlp" else unit_h))
-            ev.free(ev.alloc([unit_i, unit_i]))  # the layer's transients
-            saved_layers.append(ids)
-        _loss(ev, spec, w, unit_h)
-        grads = ev.alloc(head)
-        for index in reversed(range(spec.num_layers)):
-            recomputed = (ev.alloc(_chunks(sum(act.layer_saved_bytes(spec, w, index).values()), unit_i))
-                          if act.is_checkpointed(w, index) else [])
-            transient = ev.alloc([unit_h, unit_i, unit_i, unit_i])
-            grads += ev.alloc(layers[index * per_layer:(index + 1) * per_layer])
-            ev.free(transient + recomputed + saved_layers[index] + layer_copies[index])
-        _optimizer_step(ev, w, grads + ev.alloc(tail), grad_sizes, state_sizes if step == 0 else [])
-    return ev.events
+    return _op_level_training(spec, w, ev, head, tail, grad_sizes, state_sizes)
 
 
 def _optimizer_step(ev: _Events, w: Workload, grads: list[int], grad_sizes: list[int], new_state: list[int]) -> None:
@@ -148,31 +110,49 @@ def _loss(ev: _Events, spec: ModelSpec, w: Workload, unit_h: int) -> None:
 
 def _op_level_training(spec: ModelSpec, w: Workload, ev: _Events, head: list[int], tail: list[int],
                        grad_sizes: list[int], state_sizes: list[int]) -> list[AllocEvent]:
-    from llamem.analytic.schedule_train import LayerTape, backward_layer, forward_layer, layer_grad_sizes
+    from llamem.analytic.schedule_train import LayerTape, _norm, backward_layer, forward_layer, layer_grad_sizes
 
     T = w.batch * w.seq
     e = act.compute_bytes(w)
     stream = r512((4 if w.mixed else e) * T * spec.hidden_size)
     attention_grads, mlp_grads = layer_grad_sizes(spec, w)
+    fp32_stream = w.mixed or e == 4
+    train_all = w.task in ("train", "distill")
     for step in range(2):
         ev.alloc([r512(8 * T)])  # input ids
-        x = ev.alloc([stream])[0]  # the embedding output
-        tapes, stream_end = [], []
+        embeds = ev.alloc([stream])[0]
+        if w.ac_every:
+            ev.alloc([r512(w.batch * w.seq * w.seq), r512(8 * w.seq)])  # bool causal mask, positions
+        x, tapes, stream_end, inputs = embeds, [], [], []
         for index in range(spec.num_layers):
             tape = LayerTape(ev)
-            x = forward_layer(tape, spec, w, index, stream_end)
+            output = forward_layer(tape, spec, w, index, stream_end)
+            if act.is_checkpointed(w, index):
+                # Nothing is saved inside a checkpoint: its tensors die in forward; the input stays.
+                ev.free([t for ids in tape.kept.values() for t in ids])
+                tape = None
+                inputs.append(x)
+            else:
+                inputs.append(None)
+                if x != embeds and not fp32_stream and not (index and act.is_checkpointed(w, index - 1)):
+                    ev.free([x])  # the layer loop's reference to the previous output
             tapes.append(tape)
+            x = output
         final = LayerTape(ev)
-        from llamem.analytic.schedule_train import _norm
-
-        train_all = w.task in ("train", "distill")
         _norm(final, T, spec.hidden_size, e, w.mixed, True, train_all, out_keep=train_all and not w.mixed)
         _loss(ev, spec, w, r512((2 if w.mixed else e) * T * spec.hidden_size))
-        ev.free(stream_end)
+        ev.free(stream_end + ([] if fp32_stream or w.ac_every else [x]))
         grads = ev.alloc(head)
         ev.free(final.kept["norm1"])
-        for tape in reversed(tapes):
+        for index in reversed(range(spec.num_layers)):
+            tape = tapes[index]
+            if tape is None:  # recompute the checkpointed layer, then its backward
+                tape = LayerTape(ev)
+                ev.free([forward_layer(tape, spec, w, index, [])])
             backward_layer(tape, spec, w, grads, attention_grads, mlp_grads)
+            if inputs[index] is not None and inputs[index] != embeds:
+                ev.free([inputs[index]])
+        ev.free([embeds] if (w.ac_every or not fp32_stream) else [])
         _optimizer_step(ev, w, grads + ev.alloc(tail), grad_sizes, state_sizes if step == 0 else [])
     return ev.events
 

@@ -73,7 +73,8 @@ def _rope(tape: LayerTape, size: int, half: int, keep: bool) -> int:
 
 def forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, stream_end: list[int]) -> int:
     """One decoder layer's forward; returns the output (h2). Cache copies that live until the
-    end of forward (not saved) go to `stream_end`."""
+    end of forward (not saved) go to `stream_end`. Without a cache (checkpointing), SDPA gets
+    the materialised mask: K and V repeated to every head and the mask in the compute dtype."""
     T, b, s = w.batch * w.seq, w.batch, w.seq
     h, q, kv, I = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
     e, mixed = act.compute_bytes(w), w.mixed
@@ -117,10 +118,18 @@ def forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, str
     q_rot = _rope(tape, rope_bytes * T * q, ae * T * q // 2, keep=False)
     k_rot = _rope(tape, rope_bytes * T * kv, ae * T * kv // 2, keep=False)
     tape.drop(q_out, k_out)
-    cache_k = tape.new(rope_bytes * T * kv, keep=attn_rg and not mixed)
-    cache_v = tape.new(ae * T * kv, keep=attn_rg)
-    if mixed:
-        stream_end.append(cache_k)
+    if w.ac_every:
+        repeated = q if spec.gqa_groups > 1 else kv
+        cache_k = tape.new(rope_bytes * T * repeated, keep=attn_rg and not mixed)
+        cache_v = tape.new(ae * T * repeated, keep=attn_rg)
+        tape.new(ae * b * s * s, keep=attn_rg)  # the mask in the compute dtype, kept by SDPA
+    else:
+        cache_k = tape.new(rope_bytes * T * kv, keep=attn_rg and not mixed)
+        cache_v = tape.new(ae * T * kv, keep=attn_rg)
+        if mixed:
+            stream_end.append(cache_k)
+    if mixed and w.ac_every:
+        tape.drop(cache_k)
     tape.drop(k_rot, v_out)
     if mixed:
         tape.new(2 * T * kv, keep=True)
@@ -129,7 +138,7 @@ def forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, str
         if attn_rg:
             tape.keep(q_rot)
         q_cast = None
-    out = tape.new(ae * T * q, keep=attn_rg)
+    tape.new(ae * T * q, keep=attn_rg)  # the attention output, kept by SDPA
     tape.new(lse, keep=attn_rg)
     o = linear("o_proj")
     tape.drop(q_rot, y, q_cast if not mixed else None, cache_v if not attn_rg else None)
@@ -140,7 +149,7 @@ def forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, str
     tape.section = "mlp"
     gate = linear("gate_proj")
     tape.keep(gate)
-    act_out = tape.new(ae * T * I, keep=True)
+    tape.new(ae * T * I, keep=True)  # silu(gate), kept by the product
     up = linear("up_proj")
     tape.keep(up)
     product = tape.new(ae * T * I, keep=train_all)
