@@ -83,7 +83,10 @@ def main() -> int:
         spec = load_model(name, overrides=overrides)
         budget = int(budget_gib * GiB)
         start = time.perf_counter()
-        plan = make_plan(spec, build_workload(**options), budget_gpu(budget), host_budget_bytes=0, maximize=what)
+        # The trace engine has no quantized KV cache: inference plans keep the numerics, so the
+        # truth is traced with the same cache.
+        plan = make_plan(spec, build_workload(**options), budget_gpu(budget), host_budget_bytes=0, maximize=what,
+                         exact=options["task"] == "infer")
         answer = plan.maximized["value"] if plan.maximized else 0
         workload = plan.final.workload
         truth, probes = true_maximum(spec, workload, what, max(answer, 1), budget)

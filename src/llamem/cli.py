@@ -133,7 +133,9 @@ def make_layout(spec, workload, gpus, tp, pp, sharding, offload):
 @click.option("--maximize", type=click.Choice(["batch", "seq"]), help="Also report the largest batch or sequence.")
 @click.option("--host-memory", help="Host RAM usable for offload.  [default: this machine's RAM]")
 @click.option("--verify", is_flag=True, help="Re-check the winning plan with `llamem trace` (needs torch).")
-def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verify, **options):
+@click.option("--exact", is_flag=True, help="Only changes that keep the numerics: no pure bf16, 8-bit or "
+              "factored optimizer state, quantized weights or KV cache.")
+def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verify, exact, **options):
     """The cheapest set of changes that fits a GPU: a ladder, and the command that reproduces it."""
     from llamem.gpus import budget_gpu, get_gpu
     from llamem.plan import does_not_fit, make_plan
@@ -149,7 +151,7 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
     gpu = get_gpu(gpu_name) if gpu_name else budget_gpu(parse_size(budget))
     host = parse_size(host_memory) if host_memory else _host_memory_bytes()
     result = make_plan(spec, workload, gpu, num_gpus=gpus, host_budget_bytes=host, teacher=teacher,
-                       maximize=maximize, min_gpus=min_gpus)
+                       maximize=maximize, min_gpus=min_gpus, exact=exact)
     if verify and result.fits:
         from llamem.plan_verify import verify_plan
 

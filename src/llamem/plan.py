@@ -96,8 +96,10 @@ class Plan:
 
 
 class Planner:
-    def __init__(self, spec: ModelSpec, gpu: GPU, *, host_budget_bytes: int, teacher: ModelSpec | None = None):
+    def __init__(self, spec: ModelSpec, gpu: GPU, *, host_budget_bytes: int, teacher: ModelSpec | None = None,
+                 max_tier: int = 1):
         self.spec, self.gpu, self.teacher = spec, gpu, teacher
+        self.max_tier = max_tier
         self.host_budget = host_budget_bytes
         self.cache: dict[tuple, dict[str, dict[str, int]]] = {}
         self.evaluated = 0
@@ -187,7 +189,8 @@ class Planner:
         only as far as needed), plus the smallest that does not fit, for the shortfall."""
         ac_choices = [a for a in AC_CHOICES if a == 0 or a <= self.spec.num_layers] if w.is_training else [0]
         losses = ["full", "chunked"] if w.is_training else ["full"]
-        for (changes, tier), layout in itertools.product(self.structural_variants(w), self.layouts(num_gpus, w)):
+        variants = [(c, t) for c, t in self.structural_variants(w) if t <= self.max_tier]
+        for (changes, tier), layout in itertools.product(variants, self.layouts(num_gpus, w)):
             for micro, accum in self.micro_batches(w):
                 # Smaller micro-batches are tried while the larger one needed checkpointing or a
                 # chunked loss: they may need less of either, and accumulation costs no time.
@@ -288,8 +291,9 @@ class Planner:
 
 def make_plan(spec: ModelSpec, w: Workload, gpu: GPU, *, num_gpus: int = 1, host_budget_bytes: int,
               teacher: ModelSpec | None = None, maximize: str | None = None, min_gpus: bool = False,
-              max_gpus: int = 1024) -> Plan:
-    planner = Planner(spec, gpu, host_budget_bytes=host_budget_bytes, teacher=teacher)
+              max_gpus: int = 1024, exact: bool = False) -> Plan:
+    """`exact`: only changes that keep the numerics (tier 0)."""
+    planner = Planner(spec, gpu, host_budget_bytes=host_budget_bytes, teacher=teacher, max_tier=0 if exact else 1)
     maximized = None
     final = smallest = None
     if maximize:

@@ -104,7 +104,9 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
     # Without checkpointing, transformers builds a DynamicCache in training too (use_cache defaults to
     # True); it holds every layer's K and V until the output is dropped after the loss. Under autocast
     # its K is an fp32 copy that SDPA does not keep (it keeps a bf16 cast), so it costs extra bytes.
-    cache_extra = spec.num_layers * r512(4 * T * spec.kv_dim) if (w.mixed and not w.ac_every) else 0
+    # (The chunked loss calls the decoder directly and drops its output, cache included, first.)
+    cache_extra = (spec.num_layers * r512(4 * T * spec.kv_dim)
+                   if (w.mixed and not w.ac_every and w.loss == "full") else 0)
     # With checkpointing (no cache) transformers materialises a boolean causal mask (b, 1, s, s);
     # the checkpoints keep it, and the position ids, until their layer's backward.
     ac_extra = r512(w.batch * w.seq * w.seq) + r512(8 * w.seq) if w.ac_every else 0
@@ -180,7 +182,11 @@ def _checkpointed_backward(spec: ModelSpec, w: Workload, persistent: dict[str, i
     head_grads = r512(wb * spec.lm_head_params) + r512(wb * spec.hidden_size) if train_all else 0
     # The first weight gradient of a layer's backward: down_proj's.
     own_grad = r512(wb * spec.hidden_size * spec.intermediate_size) if train_all else 0
+    # A residual-stream gradient and three MLP-sized ones.
     transient = stream + 3 * r512(ae * T * spec.intermediate_size)
+    # In pure precision the recompute also rebuilds the layer's residual midpoint h1 (kept as a
+    # local of the recomputed forward; under autocast it is already part of the saved set).
+    recomputed_h1 = 0 if w.mixed else stream
     # By then down_proj's backward has freed the SwiGLU product it kept.
     current = layer - (r512(ae * T * spec.intermediate_size) if train_all else 0)
     per_layer_copies = 0
@@ -198,7 +204,7 @@ def _checkpointed_backward(spec: ModelSpec, w: Workload, persistent: dict[str, i
         grads_now = head_grads + (L - 1 - index) * per_layer_grads + own_grad
         out.append(_add(persistent, {"gradients": grads_now,
                                      "weights/autocast_copies": plain_below * per_layer_copies + current_copies,
-                                     "activations": below + current + rope + bool_mask + r512(8 * w.seq),
+                                     "activations": below + current + recomputed_h1 + rope + bool_mask + r512(8 * w.seq),
                                      "temporaries": transient}))
     return out
 

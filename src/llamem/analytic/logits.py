@@ -41,7 +41,11 @@ def training_logits(workload: Workload, vocab_size: int, hidden_size: int, head_
     head_input = r512((2 if workload.mixed else e_logits) * T * hidden_size) if head_trains else 0
     if workload.loss == "chunked":
         chunk = -(-workload.seq // LOSS_CHUNKS) * workload.batch * vocab_size
-        forward_peak = head_input + lsm + r512(e_logits * chunk) + (r512(4 * chunk) if e_logits < 4 else 0)
+        # In pure precision the previous chunk's head output is still referenced while the next
+        # chunk's is made (seen in traces; under autocast the cast chain releases it earlier).
+        held = 1 if workload.mixed else 2
+        forward_peak = (head_input + lsm + held * r512(e_logits * chunk)
+                        + (r512(4 * chunk) if e_logits < 4 else 0))
         # Each chunk's backward adds its share of the head's weight gradient out of place: the
         # running sum (weight dtype) and the new part (compute dtype) are alive together.
         return LogitsBytes(forward_peak, head_input + lsm,

@@ -55,6 +55,9 @@ def trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None)
     if workload.quant != "none":
         notes.append(f"{workload.quant} layers emulated with bitsandbytes' exact byte counts "
                      "(bitsandbytes cannot run on fake tensors)")
+    if workload.task == "infer" and workload.kv_dtype != workload.compute_dtype:
+        notes.append(f"KV cache traced in {workload.compute_dtype}: a {workload.kv_dtype} cache (QuantizedCache) needs "
+                     "optimum-quanto or hqq; the analytic engine counts it")
     return MemoryReport(model=spec, workload=workload, engine="trace", phases=tracer.phase_peaks(phases),
                         notes=tuple(notes), extra={"events": tracer, "num_events": len(tracer.events)})
 
