@@ -81,7 +81,10 @@ class ModelSpec:
         return self.num_heads // self.num_kv_heads
 
     def layer_linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of every nn.Linear in one decoder layer."""
+        """(in_features, out_features) of every nn.Linear in one decoder layer (do not mutate)."""
+        return _linear_shapes(self)
+
+    def _compute_linear_shapes(self) -> dict[str, tuple[int, int]]:
         h, q, kv, i = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
         return {
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
@@ -119,6 +122,11 @@ class ModelSpec:
     def kv_bytes_per_token(self, bytes_per_element: float = 2) -> int:
         """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes (GQA-sized, never hidden_size)."""
         return int(2 * self.num_layers * self.kv_dim * bytes_per_element)
+
+
+@lru_cache(maxsize=1024)
+def _linear_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    return spec._compute_linear_shapes()
 
 
 @lru_cache(maxsize=1024)

@@ -256,7 +256,10 @@ class Planner:
                 current_w = dataclasses.replace(current_w, **{name: new}, **extra)
                 change = f"{name.replace('_every', '')} {final.workload.ac_label if name == 'ac_every' else new}"
             c = self.evaluate(current_w, current_layout)
-            steps.append(Step(TECHNIQUE_NAMES[name], change, self.exact_device_bytes(c),
+            # The simulator confirms the last step (the final plan); earlier ones use the search margin.
+            device = final.device_bytes if (current_w == final.workload and current_layout == final.layout) else (
+                c.device_bytes)
+            steps.append(Step(TECHNIQUE_NAMES[name], change, device,
                               c.seconds / start.seconds if start.seconds else 1.0, REASONS[name]))
         return steps
 

@@ -12,7 +12,7 @@ Defaults are what a typical transformers + peft user gets:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from llamem.errors import InvalidWorkload
@@ -63,11 +63,16 @@ class Workload:
     loss: Loss = "full"
     teacher: str | None = None
     """Teacher model (distill only): a preset name or Hugging Face id."""
+    _mixed: bool = field(default=False, init=False, repr=False, compare=False)
+    _compute: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         problems = _value_problems(self)
         if problems:
             raise InvalidWorkload(problems)
+        # Derived once: the engines ask for these many times per estimate.
+        object.__setattr__(self, "_mixed", self.precision.endswith("-mixed"))
+        object.__setattr__(self, "_compute", self.precision.removesuffix("-mixed"))
 
     # Derived facts the engines share.
     @property
@@ -80,7 +85,7 @@ class Workload:
 
     @property
     def mixed(self) -> bool:
-        return self.precision.endswith("-mixed")
+        return self._mixed
 
     @property
     def weight_dtype(self) -> str:
@@ -89,7 +94,7 @@ class Workload:
 
     @property
     def compute_dtype(self) -> str:
-        return self.precision.removesuffix("-mixed")
+        return self._compute
 
     @property
     def ac_label(self) -> str:

@@ -28,6 +28,7 @@ Not included: torch.compile fusions, fused kernels (Liger, flash-attn package), 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from llamem.analytic.common import r512
 from llamem.dtypes import DTYPE_BYTES
@@ -49,11 +50,16 @@ def compute_bytes(workload: Workload) -> int:
 
 
 def layer_flags(workload: Workload, layer_index: int) -> LayerFlags:
-    train_all = workload.task in ("train", "distill")
+    return _layer_flags(workload.task, workload.lora_targets, workload.ac_every > 0, layer_index > 0)
+
+
+@lru_cache(maxsize=256)
+def _layer_flags(task: str, lora_targets: tuple[str, ...], checkpointing: bool, not_first: bool) -> LayerFlags:
+    train_all = task in ("train", "distill")
     # The embedding is frozen in LoRA: its output needs no gradient unless checkpointing
     # (enable_input_require_grads) asks for one.
-    input_rg = train_all or layer_index > 0 or workload.ac_every > 0
-    targets = frozenset(workload.lora_targets) if workload.uses_adapters else frozenset()
+    input_rg = train_all or not_first or checkpointing
+    targets = frozenset(lora_targets) if task in ("lora", "qlora") else frozenset()
     return LayerFlags(input_rg, train_all, targets)
 
 
@@ -127,15 +133,16 @@ def layer_saved_bytes(spec: ModelSpec, workload: Workload, layer_index: int) -> 
 
     gate_rg = h1_rg or "gate_proj" in t
     up_rg = h1_rg or "up_proj" in t
+    unit = r512(ae * T * I)
     mlp = 0
     if gate_rg:
-        mlp += r512(ae * T * I)  # gate, kept by silu
+        mlp += unit  # gate, kept by silu
     if up_rg:
-        mlp += r512(ae * T * I)  # silu(gate), kept by the product for up's gradient
+        mlp += unit  # silu(gate), kept by the product for up's gradient
     if gate_rg:
-        mlp += r512(ae * T * I)  # up, kept by the product for silu's gradient
+        mlp += unit  # up, kept by the product for silu's gradient
     if flags.train_all:
-        mlp += r512(ae * T * I)  # product, kept by down_proj for its weight gradient
+        mlp += unit  # product, kept by down_proj for its weight gradient
     elif "down_proj" in t:
         mlp += (r512(4 * T * I) if e < 4 else r512(e * T * I)) + r512(4 * T * rank)
     out["mlp"] = mlp
@@ -160,7 +167,8 @@ def stream_bytes(workload: Workload, spec: ModelSpec) -> int:
     return r512((4 if workload.mixed else compute_bytes(workload)) * T * spec.hidden_size)
 
 
-def model_saved_bytes(spec: ModelSpec, workload: Workload) -> dict[str, int]:
+def model_saved_bytes(spec: ModelSpec, workload: Workload,
+                      layers: tuple[dict[str, int], dict[str, int]] | None = None) -> dict[str, int]:
     """Saved activations of all layers plus the embedding output, at the end of forward.
 
     Layers 1..L-1 are identical, so they are counted, not looped over. With every-K
@@ -170,9 +178,10 @@ def model_saved_bytes(spec: ModelSpec, workload: Workload) -> dict[str, int]:
     plain_first = 0 if K else 1  # layer 0 runs without checkpointing only when nothing is checkpointed
     plain_rest = L - num_checkpointed - plain_first
     totals = {"norm": 0, "lora": 0, "attention": 0, "mlp": 0, "residual": 0, "checkpoints": 0}
-    for index, count in ((0, plain_first), (1, plain_rest)):
+    first, rest = layers or (layer_saved_bytes(spec, workload, 0), layer_saved_bytes(spec, workload, 1))
+    for saved, count in ((first, plain_first), (rest, plain_rest)):
         if count > 0:
-            for part, value in layer_saved_bytes(spec, workload, index).items():
+            for part, value in saved.items():
                 totals[part] += count * value
     stream = stream_bytes(workload, spec)
     fp32_stream = workload.mixed or compute_bytes(workload) == 4

@@ -70,10 +70,11 @@ def _compute_weights(spec: ModelSpec, workload: Workload, teacher: ModelSpec | N
 
 def _add(*parts: dict[str, int]) -> dict[str, int]:
     out: dict[str, int] = {}
+    get = out.get
     for part in parts:
         for key, value in part.items():
             if value:
-                out[key] = out.get(key, 0) + value
+                out[key] = get(key, 0) + value
     return out
 
 
@@ -88,7 +89,8 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
     # Gradients from earlier micro-batches live through the later ones' forward and backward.
     carried = {"gradients": grads} if w.grad_accum > 1 else {}
 
-    saved = sum(act.model_saved_bytes(spec, w).values())
+    layers = (act.layer_saved_bytes(spec, w, 0), act.layer_saved_bytes(spec, w, 1))
+    saved = sum(act.model_saved_bytes(spec, w, layers).values())
     rope = 2 * r512(w.seq * spec.head_dim * (4 if w.mixed else e))
     final_norm = act._norm_saved(T, spec.hidden_size, e, w.mixed, True, train_all)
     final_out = r512((4 if w.mixed else e) * T * spec.hidden_size)
@@ -117,7 +119,8 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
                     {"activations": saved + rope + final_norm + final_out_saved + ac_extra,
                                          "logits": logits.backward_peak})
     if w.ac_every:
-        backward = _max_total(backward, *_checkpointed_backward(spec, w, persistent, grads, rope))
+        backward = _max_total(backward, *_checkpointed_backward(spec, w, persistent, grads, rope,
+                                                                sum(layers[1].values())))
     end_of_backward = _add(weights, state, inputs, {"gradients": grads})
     if spec.tie_word_embeddings and train_all:
         # The tied matrix gets two gradients (head, then embedding); AccumulateGrad adds them out of
@@ -164,7 +167,7 @@ def _max_total(*candidates: dict[str, int]) -> dict[str, int]:
 
 
 def _checkpointed_backward(spec: ModelSpec, w: Workload, persistent: dict[str, int], grads: int,
-                           rope: int) -> list[dict[str, int]]:
+                           rope: int, layer: int) -> list[dict[str, int]]:
     """Backward through checkpointed layers. At layer i: the layers below keep their checkpoint
     inputs (or, unchecked, their saved sets), layer i has its full saved set back (recomputed),
     the gradients of the head and of the layers above exist, and the layer's own backward
@@ -175,7 +178,6 @@ def _checkpointed_backward(spec: ModelSpec, w: Workload, persistent: dict[str, i
     L, K = spec.num_layers, w.ac_every
     stream = act.stream_bytes(w, spec)
     bool_mask = r512(w.batch * w.seq * w.seq)  # the model-level causal mask (b, 1, s, s)
-    layer = sum(act.layer_saved_bytes(spec, w, max(L - 1, 1)).values())
     wb = DTYPE_BYTES[w.weight_dtype]
     train_all = w.task in ("train", "distill")
     per_layer_grads = (grads - _head_grad_bytes(spec, w)) // L if train_all else grads // L

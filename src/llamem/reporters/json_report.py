@@ -13,7 +13,8 @@ def report_to_dict(report: MemoryReport) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": {"name": spec.name, "hf_id": spec.hf_id, "source": spec.source, "num_params": spec.num_params,
                   "num_layers": spec.num_layers, "hidden_size": spec.hidden_size},
-        "workload": {f.name: getattr(workload, f.name) for f in dataclasses.fields(workload)},
+        "workload": {f.name: getattr(workload, f.name) for f in dataclasses.fields(workload)
+                     if not f.name.startswith("_")},
         "engine": report.engine,
         "peak_allocated_bytes": report.peak_allocated_bytes,
         "peak_phase": report.peak_phase,

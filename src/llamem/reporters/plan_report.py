@@ -9,7 +9,7 @@ from llamem.units import GiB
 
 
 def _config(c) -> dict:
-    w = {f.name: getattr(c.workload, f.name) for f in dataclasses.fields(c.workload)}
+    w = {f.name: getattr(c.workload, f.name) for f in dataclasses.fields(c.workload) if not f.name.startswith("_")}
     w["lora_targets"] = list(c.workload.lora_targets)
     return {"workload": w, "layout": dataclasses.asdict(c.layout), "layout_description": c.layout.describe()}
 
