@@ -155,3 +155,25 @@ def test_fsdp2_shard_sizes_match_a_fake_process_group(world):
     finally:
         dist.destroy_process_group()
     assert local == fsdp_shard_bytes(spec, 2, world)
+
+
+def test_multi_gpu_plan_command_reproduces_per_gpu_memory(capsys):
+    code, out, _ = run(capsys, "plan", "llama-2-70b", "--gpu", "rtx-4090", "--task", "train", "--gpus", "64",
+                       "--json", "--host-memory", "256GiB")
+    plan = json.loads(out)
+    assert "--gpus 64" in plan["final"]["command"]
+    code, out, _ = run(capsys, *plan["final"]["command"].split()[1:], "--json")
+    again = json.loads(out)
+    assert code == 0
+    assert again["peak_allocated_bytes"] == plan["final"]["peak_allocated_bytes"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["estimate", "llama-3.1-8b", "--gpus", "3", "--tp", "2"], "not a multiple"),
+    (["estimate", "llama-3.1-8b", "--offload", "optimizer"], "--sharding zero2"),
+    (["plan", "llama-3.1-8b", "--gpu", "h100", "--gpus", "0"], "at least 1"),
+    (["estimate", "llama-3.1-8b", "--gpus", "8", "--tp", "3", "--pp", "1"], "not a multiple"),
+])
+def test_layout_errors_name_the_fix(capsys, args, fragment):
+    code, _, err = run(capsys, *args)
+    assert code == 1 and fragment in err and "Traceback" not in err

@@ -67,34 +67,6 @@ def app():
     """Plan and manage GPU memory for LLaMA-family models."""
 
 
-@app.command()
-@workload_options
-def estimate(as_json, **options):
-    """How much memory a workload takes, and where it goes (analytic, no torch)."""
-    from llamem.analytic import estimate as run_estimate
-
-    from llamem.allocator.integrate import add_device_memory
-    from llamem.analytic.schedule import schedule
-
-    spec, workload, teacher = resolve(**options)
-    report = run_estimate(spec, workload, teacher)
-    emit(add_device_memory(report, schedule(spec, workload), exact=False), as_json)
-
-
-@app.command()
-@workload_options
-@click.option("--save-trace", type=click.Path(), help="Write every allocation and free as JSON.")
-def trace(as_json, save_trace, **options):
-    """The same report, exact: runs the real transformers code on fake tensors (needs torch)."""
-    spec, workload, teacher = resolve(**options)
-    from llamem.trace.api import run_trace
-
-    report, events = run_trace(spec, workload, teacher, save_trace=save_trace)
-    from llamem.allocator.integrate import add_device_memory
-
-    emit(add_device_memory(report, events, exact=True), as_json)
-
-
 def layout_options(command):
     options = [
         click.option("--gpus", type=int, default=1, show_default=True, help="GPUs (per-GPU memory is reported)."),
@@ -112,6 +84,8 @@ def make_layout(spec, workload, gpus, tp, pp, sharding, offload):
     from llamem.errors import InvalidWorkload
     from llamem.parallel import Layout, check_layout
 
+    if min(gpus, tp, pp) < 1:
+        raise InvalidWorkload(["--gpus, --tp and --pp must be at least 1"])
     if gpus % (tp * pp):
         raise InvalidWorkload([f"--gpus {gpus} is not a multiple of --tp {tp} x --pp {pp}"])
     dp = gpus // (tp * pp)
@@ -122,6 +96,43 @@ def make_layout(spec, workload, gpus, tp, pp, sharding, offload):
     if problems:
         raise InvalidWorkload(problems)
     return layout
+
+
+@app.command()
+@workload_options
+@layout_options
+def estimate(as_json, gpus, tp, pp, sharding, offload, **options):
+    """How much memory a workload takes, and where it goes (analytic, no torch)."""
+    import dataclasses
+
+    from llamem.allocator.integrate import add_device_memory
+    from llamem.analytic import estimate as run_estimate
+    from llamem.analytic.schedule import schedule
+    from llamem.parallel import per_gpu_phases, shard_spec
+
+    spec, workload, teacher = resolve(**options)
+    report = run_estimate(spec, workload, teacher)
+    layout = make_layout(spec, workload, gpus, tp, pp, sharding, offload)
+    if layout.num_gpus > 1 or layout.sharding != "none":
+        phases = per_gpu_phases(spec, workload, layout, teacher)
+        report = dataclasses.replace(report, phases=phases, notes=report.notes + (
+            f"per GPU, the busiest GPU of {layout.describe()}",))
+    local = shard_spec(spec, layout)
+    emit(add_device_memory(report, schedule(local, workload), exact=False, num_gpus=layout.num_gpus), as_json)
+
+
+@app.command()
+@workload_options
+@click.option("--save-trace", type=click.Path(), help="Write every allocation and free as JSON.")
+def trace(as_json, save_trace, **options):
+    """The same report, exact: runs the real transformers code on fake tensors (needs torch)."""
+    spec, workload, teacher = resolve(**options)
+    from llamem.trace.api import run_trace
+
+    report, events = run_trace(spec, workload, teacher, save_trace=save_trace)
+    from llamem.allocator.integrate import add_device_memory
+
+    emit(add_device_memory(report, events, exact=True), as_json)
 
 
 @app.command()
@@ -147,6 +158,10 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
 
         raise LlamemError("name a card with --gpu NAME (see `llamem gpus`) or give a memory budget with "
                           "--budget SIZE, one of the two")
+    if gpus < 1:
+        from llamem.errors import LlamemError
+
+        raise LlamemError(f"--gpus must be at least 1, got {gpus}")
     spec, workload, teacher = resolve(**options)
     gpu = get_gpu(gpu_name) if gpu_name else budget_gpu(parse_size(budget))
     host = parse_size(host_memory) if host_memory else _host_memory_bytes()

@@ -97,7 +97,7 @@ def check_layout(spec: ModelSpec, layout: Layout) -> list[str]:
     if layout.offload == "optimizer+params" and layout.sharding != "zero3":
         problems.append("parameter offload needs ZeRO-3 / FSDP: use --sharding zero3")
     if layout.offload != "none" and layout.sharding not in ("zero2", "zero3", "zero1"):
-        problems.append("optimizer offload needs ZeRO (DeepSpeed ZeRO-Offload)")
+        problems.append("optimizer offload needs ZeRO (DeepSpeed ZeRO-Offload): add --sharding zero2 or zero3")
     return problems
 
 
