@@ -272,16 +272,20 @@ class Planner:
             changes = {"batch": value, "grad_accum": 1} if what == "batch" else {"seq": value}
             return self.best(dataclasses.replace(w, **changes), num_gpus)[0]
 
+        # A context never grows past what the model was trained for (max_position_embeddings).
+        limit = self.spec.max_position_embeddings - (w.new_tokens if w.task == "infer" else 0) if what == "seq" else 2**22
         low = 1
         best_low = best_at(low)
         if best_low is None:
             return 0, None
         high = 2
-        best_high = best_at(high)
-        while best_high is not None and high < 2**22:
+        best_high = best_at(min(high, limit)) if high <= limit else None
+        while best_high is not None and high < limit:
             low, best_low = high, best_high
-            high *= 2
+            high = min(high * 2, limit)
             best_high = best_at(high)
+        if best_high is not None:  # fits at the limit itself
+            return high, best_high
         while high - low > 1:
             mid = (low + high) // 2
             found = best_at(mid)
