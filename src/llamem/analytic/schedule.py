@@ -125,10 +125,12 @@ def _op_level_training(spec: ModelSpec, w: Workload, ev: _Events, head: list[int
             ev.alloc([r512(w.batch * w.seq * w.seq), r512(8 * w.seq)])  # bool causal mask, positions
         x, tapes, stream_end, inputs = embeds, [], [], []
         for index in range(spec.num_layers):
-            tape = LayerTape(ev)
+            checkpointed = act.is_checkpointed(w, index)
+            tape = LayerTape(ev, no_grad=checkpointed)
             output = forward_layer(tape, spec, w, index, stream_end)
-            if act.is_checkpointed(w, index):
+            if checkpointed:
                 # Nothing is saved inside a checkpoint: its tensors die in forward; the input stays.
+                tape.flush()
                 ev.free([t for ids in tape.kept.values() for t in ids])
                 tape = None
                 inputs.append(x)

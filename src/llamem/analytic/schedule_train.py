@@ -20,22 +20,34 @@ from llamem.workload import Workload
 class LayerTape:
     """Allocations of one layer; `keep` ones survive until the layer's backward."""
 
-    def __init__(self, events):
+    def __init__(self, events, no_grad: bool = False):
         self.ev = events
         self.kept: dict[str, list[int]] = {"norm1": [], "attn": [], "norm2": [], "mlp": [], "copies": []}
         self.section = "norm1"
+        self.no_grad = no_grad
+        """Inside a checkpoint nothing is saved: what autograd would keep dies with its block."""
+        self.pending: list[int] = []
 
     def new(self, size: int, keep: bool = False) -> int | None:
         if size <= 0:
             return None
         tensor = self.ev.alloc([r512(size)])[0]
         if keep:
-            self.kept[self.section].append(tensor)
+            (self.pending if self.no_grad else self.kept[self.section]).append(tensor)
         return tensor
 
     def keep(self, tensor: int | None) -> None:
-        if tensor is not None and tensor not in self.kept[self.section]:
-            self.kept[self.section].append(tensor)
+        if tensor is None:
+            return
+        target = self.pending if self.no_grad else self.kept[self.section]
+        if tensor not in target:
+            target.append(tensor)
+
+    def flush(self) -> None:
+        """End of a block under no_grad: free what would have been saved."""
+        if self.no_grad:
+            self.ev.free(self.pending)
+            self.pending = []
 
     def drop(self, *tensors: int | None) -> None:
         kept = {t for ids in self.kept.values() for t in ids}
@@ -88,7 +100,7 @@ def forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, str
         fan_in, fan_out = shapes[name]
         if mixed:
             copy = tape.ev.alloc([r512(2 * fan_in * fan_out)])[0]
-            tape.kept["copies"].append(copy)
+            (tape.pending if tape.no_grad else tape.kept["copies"]).append(copy)
             tape.new(2 * T * fan_in, keep=True)  # the input's bf16 cast, saved by the matmul
             return tape.new(2 * T * fan_out)
         dequant = tape.new(2 * fan_in * fan_out) if w.quant != "none" else None
@@ -142,7 +154,8 @@ def forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, str
     tape.new(lse, keep=attn_rg)
     o = linear("o_proj")
     tape.drop(q_rot, y, q_cast if not mixed else None, cache_v if not attn_rg else None)
-    h1 = tape.new((4 if mixed else e) * T * h, keep=mixed or e == 4)
+    tape.flush()
+    h1 = tape.new((4 if mixed else e) * T * h, keep=(mixed or e == 4) and not tape.no_grad)
     tape.drop(o)
     tape.section = "norm2"
     y2 = _norm(tape, T, h, e, mixed, True, train_all, out_keep=train_all and not mixed)
@@ -155,7 +168,8 @@ def forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, str
     product = tape.new(ae * T * I, keep=train_all)
     down = linear("down_proj")
     tape.drop(product, y2)
-    h2 = tape.new((4 if mixed else e) * T * h, keep=mixed or e == 4)
+    tape.flush()
+    h2 = tape.new((4 if mixed else e) * T * h, keep=(mixed or e == 4) and not tape.no_grad)
     tape.drop(down, h1)
     return h2
 
