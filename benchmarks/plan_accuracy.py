@@ -49,8 +49,14 @@ def traced_device_bytes(spec, workload) -> int:
 
 
 def true_maximum(spec, workload, what: str, start: int, budget: int) -> tuple[int, int]:
-    """Bisection with the trace engine: the largest value whose traced device bytes fit."""
+    """Bisection with the trace engine: the largest value whose traced device bytes fit (a
+    context no longer than the model's max_position_embeddings, as the planner answers)."""
+    limit = (spec.max_position_embeddings - (workload.new_tokens if workload.task == "infer" else 0)
+             if what == "seq" else 2**22)
+
     def fits(value: int) -> bool:
+        if value > limit:
+            return False
         changes = {"batch": value, "grad_accum": 1} if what == "batch" else {"seq": value}
         return traced_device_bytes(spec, dataclasses.replace(workload, **changes)) <= budget
 

@@ -35,7 +35,12 @@ def _settle_edge(plan: Plan) -> dict:
     what, analytic_value = plan.maximized["what"], plan.maximized["value"]
     results: dict[int, dict] = {}
 
+    limit = (plan.model.max_position_embeddings - (plan.final.workload.new_tokens if plan.final.workload.task == "infer"
+                                                   else 0) if what == "seq" else 2**22)
+
     def fits(value: int) -> bool:
+        if value > limit:
+            return False
         if value not in results:
             results[value] = _check(plan, _with_value(plan.final.workload, what, value))
         return results[value]["fits"]
