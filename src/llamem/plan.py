@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
-from llamem.analytic.common import r512
 from llamem.cost import step_seconds
 from llamem.errors import DoesNotFit, InvalidWorkload
 from llamem.gpus import GPU
@@ -378,4 +377,4 @@ def does_not_fit(plan: Plan) -> DoesNotFit:
                       shortfall_bytes=plan.shortfall_bytes)
 
 
-__all__ = ["make_plan", "Plan", "Planner", "Candidate", "Step", "estimate_command", "does_not_fit", "r512"]
+__all__ = ["make_plan", "Plan", "Planner", "Candidate", "Step", "estimate_command", "does_not_fit"]

@@ -121,10 +121,9 @@ def layer_saved_bytes(spec: ModelSpec, workload: Workload, layer_index: int) -> 
             attention += r512(ae * T * q) + 2 * r512(ae * T * q) + r512(4 * probs) + r512(ae * T * q)
             attention += r512(ae * probs) if (mixed or e < 4) else 0
     out["attention"] = attention
-    # o_proj reads the attention output: already kept above, unless o_proj needs its own cast.
-    if flags.train_all and mixed:
-        pass  # SDPA's bf16 output is what o_proj keeps
-    elif "o_proj" in t:
+    # o_proj reads the attention output, already kept above (SDPA's output); an adapted o_proj
+    # also keeps its fp32 cast and lora_A's output.
+    if "o_proj" in t and not flags.train_all:
         out["lora"] += (r512(4 * T * q) if e < 4 else 0) + r512(4 * T * rank)
 
     h1_rg = attn_rg or "o_proj" in t

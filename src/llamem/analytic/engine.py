@@ -6,8 +6,9 @@ from llamem.analytic import activations as act
 from llamem.analytic.common import r512
 from llamem.analytic.kv_cache import cached_tokens, kv_cache_bytes, kv_layer_tensor_bytes
 from llamem.analytic.logits import training_logits
-from llamem.analytic.optimizer import gradient_bytes, optimizer_state_bytes
-from llamem.analytic.weights import autocast_copy_bytes, lora_tensor_sizes, model_weight_bytes
+from llamem.analytic.optimizer import gradient_bytes, has_step_temporaries, optimizer_state_bytes
+from llamem.analytic.weights import (autocast_copy_bytes, layer_autocast_copy_bytes, lora_tensor_sizes,
+                                     model_weight_bytes)
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.report import MemoryReport
@@ -131,7 +132,7 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
         end_of_backward = _add(end_of_backward, {"logits": tied, "temporaries": extra})
     if sum(end_of_backward.values()) > sum(backward.values()):
         backward = end_of_backward
-    optimizer = _add(weights, state, {"gradients": grads, "temporaries": grads if w.optimizer in ("adamw", "adafactor") else 0})
+    optimizer = _add(weights, state, {"gradients": grads, "temporaries": grads if has_step_temporaries(w) else 0})
     return {"load": dict(weights), "forward": forward, "backward": backward, "optimizer": optimizer}
 
 
@@ -157,7 +158,7 @@ def _copies_kept_for_backward(spec: ModelSpec, w: Workload, copies: dict[str, in
     backward, and a checkpointed layer saves none (its recompute casts again)."""
     if not (w.mixed and w.ac_every):
         return copies
-    per_layer = sum(r512(2 * i * o) for i, o in spec.layer_linear_shapes().values())
+    per_layer = layer_autocast_copy_bytes(spec)
     plain = spec.num_layers - -(-spec.num_layers // w.ac_every)
     return {"weights/autocast_copies": copies["weights/autocast_copies"] - (spec.num_layers - plain) * per_layer}
 
@@ -194,10 +195,9 @@ def _checkpointed_backward(spec: ModelSpec, w: Workload, persistent: dict[str, i
     per_layer_copies = 0
     current_copies = 0
     if w.mixed:
-        shapes = spec.layer_linear_shapes()
-        per_layer_copies = sum(r512(2 * i * o) for i, o in shapes.values())
+        per_layer_copies = layer_autocast_copy_bytes(spec)
         # down_proj's copy goes with its backward, before the worst moment of the layer's.
-        current_copies = per_layer_copies - r512(2 * shapes["down_proj"][0] * shapes["down_proj"][1])
+        current_copies = layer_autocast_copy_bytes(spec, skip=("down_proj",))
     out = []
     for index in (L - 1, 0):
         checkpointed_below = -(-index // K)

@@ -79,8 +79,7 @@ def gradient_bytes(spec: ModelSpec, workload: Workload) -> int:
     return sum(r512(n * dtype_bytes) for n in trainable_numels(spec, workload))
 
 
-def step_temporary_bytes(spec: ModelSpec, workload: Workload) -> int:
-    """The largest transient of optimizer.step() (foreach AdamW's sqrt, Adafactor's row x col)."""
-    if workload.optimizer in ("adamw", "adafactor"):
-        return gradient_bytes(spec, workload)
-    return 0
+def has_step_temporaries(workload: Workload) -> bool:
+    """Whether optimizer.step() makes a parameter-sized temporary per tensor (foreach AdamW's
+    sqrt, Adafactor's row x column); SGD and bitsandbytes' fused kernels do not."""
+    return workload.optimizer in ("adamw", "adafactor")

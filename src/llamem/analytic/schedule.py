@@ -15,7 +15,7 @@ from llamem.allocator.replay import AllocEvent
 from llamem.analytic import activations as act
 from llamem.analytic.common import r512
 from llamem.analytic.kv_cache import kv_layer_tensor_bytes
-from llamem.analytic.optimizer import BNB_BLOCK, BNB_MIN_8BIT_SIZE
+from llamem.analytic.optimizer import BNB_BLOCK, BNB_MIN_8BIT_SIZE, has_step_temporaries
 from llamem.analytic.weights import linear_weight_bytes, trainable_numels, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -73,7 +73,7 @@ def _optimizer_step(ev: _Events, w: Workload, grads: list[int], grad_sizes: list
     """The step: state created on the first one (into the holes backward left), foreach
     temporaries, then zero_grad(set_to_none=True) frees the gradients."""
     ev.alloc(new_state)
-    temporaries = ev.alloc(grad_sizes) if w.optimizer in ("adamw", "adafactor") else []
+    temporaries = ev.alloc(grad_sizes) if has_step_temporaries(w) else []
     ev.free(temporaries + grads)
 
 

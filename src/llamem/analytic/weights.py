@@ -118,12 +118,16 @@ def trainable_numels(spec: ModelSpec, workload: Workload) -> list[int]:
     return numels
 
 
+def layer_autocast_copy_bytes(spec: ModelSpec, skip: tuple[str, ...] = ()) -> int:
+    """bf16 copies autocast makes of one layer's Linear weights (less those in `skip`)."""
+    return sum(tensor_bytes(i * o, "bf16") for name, (i, o) in spec.layer_linear_shapes().items()
+               if name not in skip)
+
+
 def autocast_copy_bytes(spec: ModelSpec, workload: Workload) -> int:
     """Mixed precision: autocast caches a compute-dtype copy of every Linear weight (not the
     embedding or norms) for the whole forward, and autograd keeps it until backward is done."""
     if not workload.mixed:
         return 0
-    dtype = workload.compute_dtype
-    per_layer = sum(tensor_bytes(i * o, dtype) for i, o in spec.layer_linear_shapes().values())
-    head = tensor_bytes(spec.vocab_size * spec.hidden_size, dtype)
-    return spec.num_layers * per_layer + head
+    head = tensor_bytes(spec.vocab_size * spec.hidden_size, "bf16")
+    return spec.num_layers * layer_autocast_copy_bytes(spec) + head

@@ -124,9 +124,13 @@ def _install_category_hooks(model, tracer: StorageTracer) -> None:
         for sub in (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
             sub.register_forward_pre_hook(enter)
             sub.register_forward_hook(leave)
+    def after_embedding(module, args, output):
+        # The decoder's own work (RoPE, masks) until the first layer counts as the layers' do.
+        stack.pop()
+        tracer.category = "activations" if torch.is_grad_enabled() else "temporaries"
+
     decoder.embed_tokens.register_forward_pre_hook(enter)
-    decoder.embed_tokens.register_forward_hook(lambda m, a, o: setattr(tracer, "category", stack.pop() and (
-        "activations" if torch.is_grad_enabled() else "temporaries")))
+    decoder.embed_tokens.register_forward_hook(after_embedding)
 
     def after_final_norm(module, args, output):
         tracer.category = "logits"
