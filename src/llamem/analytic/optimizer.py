@@ -58,6 +58,17 @@ def _adafactor_state(spec: ModelSpec, workload: Workload, dtype_bytes: float) ->
             "optimizer/step": count * 512}
 
 
+def adafactor_state_tensors(spec: ModelSpec, workload: Workload) -> list[int]:
+    """torch Adafactor's state in creation order: per tensor the step, then the row and column
+    variances of a matrix or the full variance of a vector."""
+    dtype_bytes = DTYPE_BYTES[param_dtype(spec, workload)]
+    out = []
+    for fan_in, fan_out in _trainable_shapes(spec, workload):
+        shape = [fan_out] if fan_in == 1 else [fan_out, fan_in]
+        out += [512] + [r512(n * dtype_bytes) for n in shape]
+    return out
+
+
 def _trainable_shapes(spec: ModelSpec, workload: Workload) -> list[tuple[int, int]]:
     """(columns, rows) of each trainable tensor; vectors are (1, n)."""
     if workload.uses_adapters:

@@ -2,11 +2,13 @@
 simulator (the trace engine replays its real event trace instead).
 
 Tensor by tensor, in the order transformers' Llama code makes them: generation op by op
-through each layer (matches the traced replay's reserved memory), training forward op by op
-with what autograd saves kept (`schedule_train.py`), a coarser backward, the loss in
-`ForCausalLMLoss` order, the optimizer's state created in the first step. Two training steps
-are replayed so that the second sees the cache the first left. Fragmentation from it is an
-estimate, and the report says so.
+through each layer (matches the traced replay's reserved memory); training op by op through
+forward, a checkpoint's recomputation (which stops at its last saved tensor) and autograd's
+backward (`schedule_train.py`), the loss in `ForCausalLMLoss` or torchtune's chunked order,
+the optimizer's state created in the first step. Two training steps are replayed so that the
+second sees the cache the first left. For LoRA, QLoRA and bf16 training with checkpointing it
+reserves what the traced replay reserves (tests/test_schedule.py); other modes are within a
+few per cent. Fragmentation from it is an estimate, and the report says so.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from llamem.allocator.replay import AllocEvent
 from llamem.analytic import activations as act
 from llamem.analytic.common import r512
 from llamem.analytic.kv_cache import kv_layer_tensor_bytes
-from llamem.analytic.optimizer import BNB_BLOCK, BNB_MIN_8BIT_SIZE, has_step_temporaries
+from llamem.analytic.optimizer import BNB_BLOCK, BNB_MIN_8BIT_SIZE, adafactor_state_tensors, has_step_temporaries
 from llamem.analytic.weights import linear_weight_bytes, trainable_numels, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -65,7 +67,8 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
     else:  # [embedding, layer 0 .. L-1, final norm, lm_head]: the layers' own come from the tapes
         head_count = 2 if spec.lm_head_params else 1
         head, tail = grad_sizes[-head_count:], grad_sizes[:1]
-    state_sizes = optimizer_state_tensors(w, trainable_numels(spec, w), param_bytes=grad_sizes)
+    state_sizes = (adafactor_state_tensors(spec, w) if w.optimizer == "adafactor"
+                   else optimizer_state_tensors(w, trainable_numels(spec, w), param_bytes=grad_sizes))
     return _op_level_training(spec, w, ev, head, tail, grad_sizes, state_sizes)
 
 
@@ -77,20 +80,16 @@ def _optimizer_step(ev: _Events, w: Workload, grads: list[int], grad_sizes: list
     ev.free(temporaries + grads)
 
 
-def _loss(ev: _Events, spec: ModelSpec, w: Workload, unit_h: int) -> None:
-    """ForCausalLMLoss forward and backward, in order (chunked: torchtune's chunks)."""
+def _loss(ev: _Events, spec: ModelSpec, w: Workload, unit_h: int, hidden: int | None,
+          head_trains: bool) -> tuple[list[int], list[int]]:
+    """ForCausalLMLoss forward and backward, in order (chunked: torchtune's chunks). Returns
+    the head's weight gradient when the chunked loss makes it (otherwise the caller does), and
+    the gradient of the hidden states."""
+    if w.loss == "chunked":
+        return _chunked_loss(ev, spec, w, hidden, head_trains)
+    ev.free([hidden] if hidden is not None else [])
     T = w.batch * w.seq
     TV = T * spec.vocab_size
-    ae = 2 if w.mixed else act.compute_bytes(w)
-    if w.loss == "chunked":  # one chunk's logits at a time; every chunk's log-softmax kept
-        log_softmax = []
-        for _chunk in range(LOSS_CHUNKS):
-            logits = ev.alloc([r512(ae * TV // LOSS_CHUNKS), r512(4 * TV // LOSS_CHUNKS)])
-            log_softmax += ev.alloc([r512(4 * TV // LOSS_CHUNKS)])
-            ev.free(logits)
-        for chunk_lsm in reversed(log_softmax):
-            ev.free(ev.alloc([r512(4 * TV // LOSS_CHUNKS), r512(ae * TV // LOSS_CHUNKS)]) + [chunk_lsm])
-        return
     e_logits = 4 if w.compute_dtype == "fp32" else 2
     # Autocast casts the head's weight and input just before the logits: small tensors that
     # land in (and split) whatever large cached block is free.
@@ -105,33 +104,107 @@ def _loss(ev: _Events, spec: ModelSpec, w: Workload, unit_h: int) -> None:
     ev.free(nll_grad + log_softmax)
     logits_grad = ev.alloc([r512(e_logits * TV)]) if e_logits < 4 else []
     ev.free(softmax_grad)
-    ev.free(ev.alloc([unit_h]) + logits_grad + head_casts)  # the head's input gradient
+    hidden_grad = ev.alloc([unit_h])  # the head's input gradient
+    ev.free(logits_grad + head_casts)
+    return [], hidden_grad
+
+
+def chunk_lengths(length: int, chunks: int) -> list[int]:
+    """torch.chunk's pieces: ceil(length / chunks) each, the last one shorter, possibly fewer pieces."""
+    size = -(-length // chunks)
+    return [min(size, length - start) for start in range(0, length, size)]
+
+
+def _chunked_loss(ev: _Events, spec: ModelSpec, w: Workload, hidden: int | None,
+                  head_trains: bool) -> tuple[list[int], list[int]]:
+    """torchtune's CEWithChunkedOutputLoss op by op (traced on transformers 5.x): per chunk the
+    head's logits, their fp32 upcast (alive until the next chunk's), the saved log-softmax;
+    backward chunk by chunk in reverse, the head's weight gradient summed out of place, the
+    input gradients concatenated. With batch 1 the chunks are views (no copies of the hidden
+    states or labels); under autocast the hidden chunk is cast instead of copied."""
+    b, h, V = w.batch, spec.hidden_size, spec.vocab_size
+    le = 2 if w.mixed else act.compute_bytes(w)  # the logits' dtype
+    pieces = [b * n for n in chunk_lengths(w.seq, LOSS_CHUNKS)]
+    copies = w.mixed or b > 1
+    weight_cast = ev.alloc([r512(2 * V * h)]) if w.mixed else []
+    padded = ev.alloc([r512(8 * b * (w.seq + 1))])  # the shifted labels
+    inputs, labels, log_softmax, upcast = [], [], [], []
+    for t in pieces:
+        inputs += ev.alloc([r512(le * t * h)]) if copies else [None]
+        logits = ev.alloc([r512(le * t * V)])
+        previous, upcast = upcast, (ev.alloc([r512(4 * t * V)]) if le < 4 else logits)
+        ev.free((logits if le < 4 else []) + previous)
+        labels += ev.alloc([r512(8 * t)]) if b > 1 else [None]
+        log_softmax += ev.alloc([r512(4 * t * V)])
+    ev.free(([hidden] if copies and hidden is not None else []) + (padded if b > 1 else []) + upcast)
+    accumulated: list[int] = []
+    input_grads: list[int] = []
+    for index in reversed(range(len(pieces))):
+        t = pieces[index]
+        nll_grad = ev.alloc([r512(4 * t * V)])
+        ev.free([labels[index]] if labels[index] is not None else [])
+        softmax_grad = ev.alloc([r512(4 * t * V)])
+        ev.free(nll_grad + [log_softmax[index]])
+        down = []
+        if le < 4:  # the upcast's backward
+            down = ev.alloc([r512(le * t * V)])
+            ev.free(softmax_grad)
+        weight_grad = ev.alloc([r512(le * V * h)]) if head_trains else []
+        input_grad = ev.alloc([r512(le * t * h)])
+        ev.free(down if down else softmax_grad)
+        ev.free((weight_cast if index == 0 else []) + ([inputs[index]] if inputs[index] is not None else []))
+        if weight_grad and accumulated:
+            summed = ev.alloc([r512(le * V * h)])
+            ev.free(accumulated + weight_grad)
+            accumulated = summed
+        else:
+            accumulated = accumulated or weight_grad
+        if w.mixed:  # the cast's backward: the input gradient in fp32
+            fp32 = ev.alloc([r512(4 * t * h)])
+            ev.free(input_grad)
+            input_grad = fp32
+        input_grads += input_grad
+    if w.mixed and accumulated:  # the weight cast's backward: the fp32 gradient
+        grad = ev.alloc([r512(4 * V * h)])
+        ev.free(accumulated)
+        accumulated = grad
+    if len(pieces) > 1:  # torch.cat of the chunks' input gradients
+        chunk_grads, input_grads = input_grads, ev.alloc([r512((4 if w.mixed else le) * b * w.seq * h)])
+        ev.free(chunk_grads)
+    ev.free(([hidden] if not copies and hidden is not None else []) + (padded if b == 1 else []))
+    return accumulated, input_grads
+
+
+def _causal_mask(ev: _Events, size: int) -> list[int]:
+    """The bool (b, 1, s, s) mask transformers materialises when SDPA gets no cache: causal,
+    then padding, each step a new tensor."""
+    causal, combined = ev.alloc([size, size])
+    ev.free([causal])
+    padding, mask = ev.alloc([size, size])
+    ev.free([padding, combined])
+    return [mask]
 
 
 def _op_level_training(spec: ModelSpec, w: Workload, ev: _Events, head: list[int], tail: list[int],
                        grad_sizes: list[int], state_sizes: list[int]) -> list[AllocEvent]:
-    from llamem.analytic.schedule_train import LayerTape, _norm, backward_layer, forward_layer, layer_grad_sizes
+    from llamem.analytic.schedule_train import LayerTape, _norm, backward_layer, forward_layer, norm_backward
 
-    T = w.batch * w.seq
+    T, h = w.batch * w.seq, spec.hidden_size
     e = act.compute_bytes(w)
-    stream = r512((4 if w.mixed else e) * T * spec.hidden_size)
-    attention_grads, mlp_grads = layer_grad_sizes(spec, w)
+    stream = r512((4 if w.mixed else e) * T * h)
     fp32_stream = w.mixed or e == 4
     train_all = w.task in ("train", "distill")
     for step in range(2):
-        ev.alloc([r512(8 * T)])  # input ids
+        step_inputs = ev.alloc([r512(8 * T)])  # input ids
         embeds = ev.alloc([stream])[0]
         if w.ac_every:
-            ev.alloc([r512(w.batch * w.seq * w.seq), r512(8 * w.seq)])  # bool causal mask, positions
+            step_inputs += _causal_mask(ev, r512(w.batch * w.seq * w.seq)) + ev.alloc([r512(8 * w.seq)])  # positions
         x, tapes, stream_end, inputs = embeds, [], [], []
         for index in range(spec.num_layers):
             checkpointed = act.is_checkpointed(w, index)
-            tape = LayerTape(ev, no_grad=checkpointed)
+            tape = LayerTape(ev, index, no_grad=checkpointed)
             output = forward_layer(tape, spec, w, index, stream_end)
-            if checkpointed:
-                # Nothing is saved inside a checkpoint: its tensors die in forward; the input stays.
-                tape.flush()
-                ev.free([t for ids in tape.kept.values() for t in ids])
+            if checkpointed:  # nothing saved; the checkpoint keeps the layer's input
                 tape = None
                 inputs.append(x)
             else:
@@ -140,22 +213,35 @@ def _op_level_training(spec: ModelSpec, w: Workload, ev: _Events, head: list[int
                     ev.free([x])  # the layer loop's reference to the previous output
             tapes.append(tape)
             x = output
-        final = LayerTape(ev)
-        _norm(final, T, spec.hidden_size, e, w.mixed, True, train_all, out_keep=train_all and not w.mixed)
-        _loss(ev, spec, w, r512((2 if w.mixed else e) * T * spec.hidden_size))
-        ev.free(stream_end + ([] if fp32_stream or w.ac_every else [x]))
-        grads = ev.alloc(head)
-        ev.free(final.kept["norm1"])
+        final = LayerTape(ev, spec.num_layers)
+        hidden = _norm(final, T, h, e, w.mixed, True, train_all,
+                       out_keep=train_all and not w.mixed and w.loss != "chunked")
+        if fp32_stream and spec.num_layers and tapes[-1] is None:
+            final.saved["norm.input"] = x  # the fp32 stream itself is what the norm saves
+        elif x != embeds and not fp32_stream:
+            ev.free([x])  # the model's reference to the last layer's output is replaced
+        head_grad, hidden_grad = _loss(ev, spec, w, r512((2 if w.mixed else e) * T * h),
+                                       None if "norm.out" in final.saved else hidden, train_all)
+        ev.free(stream_end)
+        final.release("norm.out")
+        tied_grad = head_grad if head_grad and not spec.lm_head_params else []
+        grads = (head_grad if spec.lm_head_params else []) + ev.alloc(head[:1] if head_grad else head)
+        grad = norm_backward(final, T, h, e, w.mixed, grad_sizes[-1] if train_all else 0, hidden_grad[0])
+        final.release_all()
         for index in reversed(range(spec.num_layers)):
             tape = tapes[index]
-            if tape is None:  # recompute the checkpointed layer, then its backward
-                tape = LayerTape(ev)
-                ev.free([forward_layer(tape, spec, w, index, [])])
-            backward_layer(tape, spec, w, grads, attention_grads, mlp_grads)
+            if tape is None:  # recompute the checkpointed layer (up to its last saved tensor)
+                tape = LayerTape(ev, index, recompute=True)
+                output = forward_layer(tape, spec, w, index, [])
+                ev.free([output] if output is not None else [])
+            grad = backward_layer(tape, spec, w, grads, grad)
             if inputs[index] is not None and inputs[index] != embeds:
                 ev.free([inputs[index]])
+        tail_grads = ev.alloc(tail)  # the embedding's backward
+        ev.free([grad] + tied_grad)  # a tied head's two gradients are summed out of place
         ev.free([embeds] if (w.ac_every or not fp32_stream) else [])
-        _optimizer_step(ev, w, grads + ev.alloc(tail), grad_sizes, state_sizes if step == 0 else [])
+        ev.free(step_inputs)
+        _optimizer_step(ev, w, grads + tail_grads, grad_sizes, state_sizes if step == 0 else [])
     return ev.events
 
 
@@ -167,8 +253,6 @@ def optimizer_state_tensors(w: Workload, numels: list[int], param_bytes: list[in
             out += [512, size, size]  # step, exp_avg, exp_avg_sq
         elif w.optimizer == "sgd":
             out.append(size)
-        elif w.optimizer == "adafactor":
-            out += [512, r512(size // max(numel, 1) * int(numel ** 0.5) * 2)]  # row and column vectors, roughly
         elif numel >= BNB_MIN_8BIT_SIZE:
             blocks = r512(4 * -(-numel // BNB_BLOCK))
             out += [512, r512(numel), r512(numel), blocks, blocks]
