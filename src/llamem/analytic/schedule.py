@@ -226,7 +226,7 @@ def _op_level_training(spec: ModelSpec, w: Workload, ev: _Events, head: list[int
         final.release("norm.out")
         tied_grad = head_grad if head_grad and not spec.lm_head_params else []
         grads = (head_grad if spec.lm_head_params else []) + ev.alloc(head[:1] if head_grad else head)
-        grad = norm_backward(final, T, h, e, w.mixed, grad_sizes[-1] if train_all else 0, hidden_grad[0])
+        grad = norm_backward(final, T, h, e, w.mixed, train_all, hidden_grad[0])
         final.release_all()
         for index in reversed(range(spec.num_layers)):
             tape = tapes[index]

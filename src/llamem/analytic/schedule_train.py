@@ -77,15 +77,14 @@ def _norm(tape: LayerTape, T: int, h: int, e: int, mixed: bool, input_rg: bool, 
     return out
 
 
-def norm_backward(tape: LayerTape, T: int, h: int, e: int, mixed: bool, weight_grad: int, grad: int,
+def norm_backward(tape: LayerTape, T: int, h: int, e: int, mixed: bool, weight_trains: bool, grad: int,
                   prefix: str = "norm") -> int:
     """LlamaRMSNorm's backward op by op (traced on transformers 5.x): returns the input's
-    gradient. Pure bf16/fp16 upcasts the gradient, works in fp32 and casts the result back.
-    `weight_grad`: bytes of the weight's gradient (0 when frozen)."""
+    gradient. Pure bf16/fp16 upcasts the gradient, works in fp32 and casts the result back."""
     ev = tape.ev
     low = e < 4 and not mixed
     scaled = tape.new((e if low else 4) * T * h)  # grad * weight
-    if weight_grad:
+    if weight_trains:
         ev.free([tape.new((e if low else 4) * T * h)])  # grad * normed, summed into the weight's gradient
         tape.release(f"{prefix}.cast", f"{prefix}.normed")
     ev.free([grad])
@@ -163,7 +162,7 @@ def _forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, st
     shapes = spec.layer_linear_shapes()
     ae = 2 if mixed else e
 
-    def linear(name: str, x: int, x_rg: bool = True) -> int:
+    def linear(name: str, x_rg: bool = True) -> int:
         fan_in, fan_out = shapes[name]
         if mixed:
             copy = tape.new(2 * fan_in * fan_out)  # autocast's weight cast, cached for the step
@@ -197,9 +196,7 @@ def _forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, st
     y = _norm(tape, T, h, e, mixed, flags.input_requires_grad, train_all, out_keep=train_all and not mixed,
               prefix="norm1")
     attn_rg = flags.input_requires_grad or bool(targets & {"q_proj", "k_proj", "v_proj"})
-    q_out = linear("q_proj", y, flags.input_requires_grad)
-    k_out = linear("k_proj", y, flags.input_requires_grad)
-    v_out = linear("v_proj", y, flags.input_requires_grad)
+    q_out, k_out, v_out = (linear(n, flags.input_requires_grad) for n in ("q_proj", "k_proj", "v_proj"))
     rope_bytes = 4 if mixed else e
     q_rot = _rope(tape, rope_bytes * T * q, ae * T * q // 2)
     k_rot = _rope(tape, rope_bytes * T * kv, ae * T * kv // 2)
@@ -231,18 +228,18 @@ def _forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, st
     lse = tape.new(4 * b * spec.num_heads * s)
     tape.save("lse", lse, attn_rg)
     tape.save("o_proj.in", attention, train_all and not mixed)
-    o = linear("o_proj", attention)
+    o = linear("o_proj")
     tape.drop(attention, lse, mask, query, q_rot, key, value, k_rot, v_out, y)
     h1 = tape.new((4 if mixed else e) * T * h)
     tape.save("h1", h1, mixed or e == 4)
     tape.drop(o)
     y2 = _norm(tape, T, h, e, mixed, True, train_all, out_keep=train_all and not mixed, prefix="norm2")
-    gate = linear("gate_proj", y2)
+    gate = linear("gate_proj")
     tape.save("gate", gate)
     silu = tape.new(ae * T * I)
     tape.save("silu", silu)
     tape.drop(gate)
-    up = linear("up_proj", y2)
+    up = linear("up_proj")
     tape.save("up", up)
     product = tape.new(ae * T * I)
     tape.save("product", product, train_all and not mixed)
@@ -250,7 +247,7 @@ def _forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, st
     if tape.recompute and "down_proj" not in targets:
         tape.drop(product, y2, h1)
         raise _Stop
-    down = linear("down_proj", product)
+    down = linear("down_proj")
     tape.drop(product, y2)
     h2 = tape.new((4 if mixed else e) * T * h)
     tape.save("h2", h2, mixed or e == 4)
@@ -263,11 +260,11 @@ def _linear_backward(tape: LayerTape, spec: ModelSpec, w: Workload, name: str, g
     """One projection's backward: the weight's gradient (if it trains), the input's gradient,
     LoRA's adapter chain when it has one. Frees `last_use` saves and the output's gradient,
     unless that is the residual stream's (`residual`), which its sum still reads."""
-    if residual and w.mixed:  # autocast: the bf16 output's gradient is a cast of the stream's
-        grad = tape.new(2 * w.batch * w.seq * spec.layer_linear_shapes()[name][1])
-    keep = [grad] if residual and not w.mixed else []
     fan_in, fan_out = spec.layer_linear_shapes()[name]
     T = w.batch * w.seq
+    if residual and w.mixed:  # autocast: the bf16 output's gradient is a cast of the stream's
+        grad = tape.new(2 * T * fan_out)
+    keep = [grad] if residual and not w.mixed else []
     e, ev = act.compute_bytes(w), tape.ev
     if w.mixed:
         if trains:
@@ -309,9 +306,10 @@ def _linear_backward(tape: LayerTape, spec: ModelSpec, w: Workload, name: str, g
     return g_in
 
 
-def _sum(tape: LayerTape, a: int, b: int, size: int) -> int:
+def _sum(tape: LayerTape, size: int, *inputs: int) -> int:
+    """A new tensor made from `inputs`, which die with it (a sum, or repeat_kv's reduction)."""
     out = tape.new(size)
-    tape.ev.free([a, b])
+    tape.ev.free(list(inputs))
     return out
 
 
@@ -326,7 +324,7 @@ def backward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, grads: list[in
     stream = (4 if mixed else e) * T * h
     flags = act.layer_flags(w, tape.index)
     train_all = flags.train_all
-    norm_grad = DTYPE_BYTES[w.weight_dtype] * h if train_all else 0
+    norm_grad = DTYPE_BYTES[w.weight_dtype] * h
     ev = tape.ev
 
     def linear(name: str, g: int, *last_use: str, residual: bool = False) -> int:
@@ -341,10 +339,11 @@ def backward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, grads: list[in
     tape.release("gate")
     ev.free([g_silu])
     g_x_gate = linear("gate_proj", g_gate, "norm2.out")
-    g_norm2_out = _sum(tape, g_x_up, g_x_gate, (4 if mixed else e) * T * h)
-    g_norm2_in = norm_backward(tape, T, h, e, mixed, norm_grad, g_norm2_out, prefix="norm2")
-    grads.extend(tape.new(norm_grad) for _ in range(1 if norm_grad else 0))
-    g_h1 = _sum(tape, grad, g_norm2_in, stream)
+    g_norm2_out = _sum(tape, (4 if mixed else e) * T * h, g_x_up, g_x_gate)
+    g_norm2_in = norm_backward(tape, T, h, e, mixed, train_all, g_norm2_out, prefix="norm2")
+    if train_all:
+        grads.append(tape.new(norm_grad))
+    g_h1 = _sum(tape, stream, grad, g_norm2_in)
     tape.release("h2")
     g_attention = linear("o_proj", g_h1, "o_proj.in", residual=True)
     repeated = q if (w.ac_every and spec.gqa_groups > 1) else kv
@@ -352,27 +351,23 @@ def backward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, grads: list[in
     tape.release("attention", "lse", "query", "key", "value", "mask")
     ev.free([g_attention])
     if repeated != kv:  # repeat_kv's backward sums the copies back to the key-value heads
-        g_k = _reduce(tape, g_k, ae * T * kv)
-        g_v = _reduce(tape, g_v, ae * T * kv)
+        g_k = _sum(tape, ae * T * kv, g_k)
+        g_v = _sum(tape, ae * T * kv, g_v)
     rope_bytes = 4 if mixed else e
     g_k = _rope_backward(tape, rope_bytes * T * kv, ae * T * kv // 2, g_k)
     g_q = _rope_backward(tape, rope_bytes * T * q, ae * T * q // 2, g_q)
     g_x = linear("v_proj", g_v)
     g_k_flat = tape.new(ae * T * kv)  # the transposed gradient made contiguous
     ev.free([g_k])
-    g_x = _sum(tape, g_x, linear("k_proj", g_k_flat), (4 if mixed else e) * T * h)
+    g_x = _sum(tape, (4 if mixed else e) * T * h, g_x, linear("k_proj", g_k_flat))
     g_q_flat = tape.new(ae * T * q)
     ev.free([g_q])
-    g_x = _sum(tape, g_x, linear("q_proj", g_q_flat, "norm1.out"), (4 if mixed else e) * T * h)
-    g_norm1_in = norm_backward(tape, T, h, e, mixed, norm_grad, g_x, prefix="norm1")
-    grads.extend(tape.new(norm_grad) for _ in range(1 if norm_grad else 0))
-    g_in = _sum(tape, g_h1, g_norm1_in, stream)
+    g_x = _sum(tape, (4 if mixed else e) * T * h, g_x, linear("q_proj", g_q_flat, "norm1.out"))
+    g_norm1_in = norm_backward(tape, T, h, e, mixed, train_all, g_x, prefix="norm1")
+    if train_all:
+        grads.append(tape.new(norm_grad))
+    g_in = _sum(tape, stream, g_h1, g_norm1_in)
     tape.release("h1")
     tape.release_all()
     return g_in
 
-
-def _reduce(tape: LayerTape, grad: int, size: int) -> int:
-    out = tape.new(size)
-    tape.ev.free([grad])
-    return out
