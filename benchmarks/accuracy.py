@@ -57,6 +57,8 @@ def matrix() -> list[tuple[str, dict]]:
             (model, dict(task="qlora", quant="int8", batch=1, seq=512)),
             (model, dict(task="infer", batch=1, seq=4096, new_tokens=2)),
             (model, dict(task="infer", precision="fp16", batch=4, seq=256, new_tokens=8)),
+            (model, dict(task="infer", batch=2, seq=1024, new_tokens=4, prefill_chunk=256)),
+            (model, dict(task="infer", attn="eager", batch=1, seq=1000, new_tokens=3, prefill_chunk=300)),
         ]
     rows += [("debug", dict(task="distill", teacher="debug", batch=1, seq=256)),
              ("llama-3.2-1b", dict(task="distill", teacher="llama-3.2-3b", batch=1, seq=256))]

@@ -17,9 +17,11 @@ pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from accuracy import MODELS, quick_matrix  # noqa: E402
 
+from llamem.analytic import estimate  # noqa: E402
 from llamem.cli import main  # noqa: E402
 from llamem.model import load_model  # noqa: E402
 from llamem.trace.compare import compare  # noqa: E402
+from llamem.trace.run import trace  # noqa: E402
 from llamem.workload import build_workload  # noqa: E402
 
 
@@ -30,6 +32,29 @@ def test_analytic_matches_trace(model, options):
     category, error = result.worst_category
     assert abs(result.peak_error) <= 0.02, f"peak off by {100 * result.peak_error:+.2f}%"
     assert abs(error) <= 0.05, f"{category} off by {100 * error:+.2f}%"
+
+
+# A sliding window shorter than the prompt (Mistral's DynamicSlidingWindowLayer keeps a view into
+# the whole concatenation) and chunked prefill, with and without it.
+LONG_CONTEXT = [
+    ("debug", {}, dict(batch=2, seq=512, new_tokens=4, prefill_chunk=128)),
+    ("llama-3.2-1b", {"num_hidden_layers": 2}, dict(batch=1, seq=2000, new_tokens=3, prefill_chunk=300)),
+    ("mistral-7b", {"num_hidden_layers": 2, "sliding_window": 256}, dict(batch=1, seq=700, new_tokens=3)),
+    ("mistral-7b", {"num_hidden_layers": 2, "sliding_window": 256},
+     dict(batch=2, seq=700, new_tokens=300, prefill_chunk=200)),
+]
+
+
+@pytest.mark.parametrize("model, overrides, options", LONG_CONTEXT, ids=lambda x: str(x))
+def test_long_context_prefill_and_cache_are_exact(model, overrides, options):
+    spec = load_model(model, overrides=overrides)
+    workload = build_workload(task="infer", **options)
+    analytic, traced = estimate(spec, workload), trace(spec, workload)
+    assert analytic.phases["prefill"]["kv_cache"] == traced.phases["prefill"]["kv_cache"]
+    # (the decode's peak moment may fall a few KiB of cache apart)
+    assert abs(analytic.phases["decode"]["kv_cache"] / traced.phases["decode"]["kv_cache"] - 1) <= 0.005
+    prefill = sum(analytic.phases["prefill"].values()), sum(traced.phases["prefill"].values())
+    assert abs(prefill[0] / prefill[1] - 1) <= 0.001
 
 
 def cli_json(capsys, *args):

@@ -54,6 +54,8 @@ def test_unknown_model_lists_near_matches():
     (dict(task="infer", precision="bf16-mixed"), "use --precision bf16"),
     (dict(task="infer", optimizer="sgd"), "--optimizer only applies"),
     (dict(task="train", new_tokens=3), "--new-tokens only applies"),
+    (dict(task="lora", prefill_chunk=512), "--prefill-chunk only applies"),
+    (dict(task="infer", prefill_chunk=-1), "--prefill-chunk must be"),
     (dict(task="train", batch=0), "--batch must be"),
     (dict(task="train", precision="fp8"), "--precision 'fp8' is not one of"),
     (dict(task="lora", lora_targets=("qproj",)), "--lora-targets"),

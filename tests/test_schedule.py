@@ -22,14 +22,19 @@ EXACT = [
     dict(task="lora", ac_every=0, loss="full", batch=4, seq=256),
     dict(task="qlora", ac_every=1, loss="chunked", batch=1, seq=512),
 ]
+INFERENCE_EXACT = [
+    ("debug", {}, dict(batch=2, seq=512, new_tokens=4)),
+    ("debug", {}, dict(batch=1, seq=1000, new_tokens=4, prefill_chunk=300)),
+    ("mistral-7b", {"num_hidden_layers": 2, "sliding_window": 256}, dict(batch=1, seq=700, new_tokens=4)),
+]
 BOUNDED = [
     dict(task="train", precision="bf16", ac_every=0, loss="full", batch=4, seq=256),
     dict(task="train", precision="bf16-mixed", ac_every=0, loss="full", batch=4, seq=256),
 ]
 
 
-def _reserved(options):
-    spec = load_model("debug")
+def _reserved(options, model="debug", overrides=None):
+    spec = load_model(model, overrides=overrides)
     workload = build_workload(**options)
     _, events = run_trace(spec, workload)
     return replay(events).peak_reserved_bytes, replay(schedule(spec, workload)).peak_reserved_bytes
@@ -45,3 +50,9 @@ def test_op_exact_modes_reserve_what_the_trace_reserves(options):
 def test_other_modes_within_seven_percent(options):
     traced, scheduled = _reserved(options)
     assert abs(scheduled / traced - 1) <= 0.07
+
+
+@pytest.mark.parametrize("model, overrides, options", INFERENCE_EXACT, ids=str)
+def test_generation_reserves_what_the_trace_reserves(model, overrides, options):
+    traced, scheduled = _reserved(dict(task="infer", **options), model, overrides)
+    assert scheduled == traced

@@ -38,6 +38,9 @@ def workload_options(command):
                                         "[default: the compute dtype]"),
         click.option("--grad-accum", type=int, help="Micro-batches per optimizer step.  [default: 1]"),
         click.option("--loss", help="full | chunked (logits in 8 chunks).  [default: full]"),
+        click.option("--prefill-chunk", type=int,
+                     help="Prompt tokens per prefill forward (infer; transformers' prefill_chunk_size).  "
+                          "[default: 0, the whole prompt]"),
         click.option("--teacher", help="Teacher model for --task distill."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text."),
     ]

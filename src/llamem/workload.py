@@ -61,6 +61,9 @@ class Workload:
     grad_accum: int = 1
     """Micro-batches per optimizer step: from the second one on, gradients live through forward."""
     loss: Loss = "full"
+    prefill_chunk: int = 0
+    """Prompt tokens per prefill forward (infer only; 0: the whole prompt at once). transformers'
+    `GenerationConfig.prefill_chunk_size`: the same outputs, smaller prefill temporaries."""
     teacher: str | None = None
     """Teacher model (distill only): a preset name or Hugging Face id."""
     _mixed: bool = field(default=False, init=False, repr=False, compare=False)
@@ -118,7 +121,7 @@ def _value_problems(w: Workload) -> list[str]:
     _check_choice(problems, "--loss", w.loss, Loss)
     for flag, value, low in (("--batch", w.batch, 1), ("--seq", w.seq, 1), ("--new-tokens", w.new_tokens, 0),
                              ("--grad-accum", w.grad_accum, 1), ("--lora-rank", w.lora_rank, 1),
-                             ("--ac every-K", w.ac_every, 0)):
+                             ("--ac every-K", w.ac_every, 0), ("--prefill-chunk", w.prefill_chunk, 0)):
         if not isinstance(value, int) or value < low:
             problems.append(f"{flag} must be an integer >= {low}, got {value!r}")
     bad_targets = [t for t in w.lora_targets if t not in LORA_TARGETS_ALL]
@@ -135,6 +138,8 @@ def _value_problems(w: Workload) -> list[str]:
         problems.append("distill needs a teacher: add --teacher MODEL (for example --teacher llama-3.1-70b)")
     if w.task != "distill" and w.teacher:
         problems.append("--teacher only applies to --task distill")
+    if w.task != "infer" and w.prefill_chunk:
+        problems.append("--prefill-chunk only applies to --task infer")
     if w.task == "infer" and w.precision.endswith("-mixed"):
         problems.append(f"inference has no master weights: use --precision {w.precision.removesuffix('-mixed')}")
     if w.task == "qlora" and w.precision.endswith("-mixed"):
@@ -169,6 +174,7 @@ _TASK_ONLY = {
     "ac_every": (TRAINING_TASKS, "--ac"),
     "grad_accum": (TRAINING_TASKS, "--grad-accum"),
     "loss": (TRAINING_TASKS, "--loss"),
+    "prefill_chunk": (("infer",), "--prefill-chunk"),
     "lora_rank": (ADAPTER_TASKS, "--lora-rank"),
     "lora_targets": (ADAPTER_TASKS, "--lora-targets"),
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llamem.analytic import activations as act
 from llamem.analytic.common import r512
-from llamem.analytic.kv_cache import cached_tokens, kv_cache_bytes, kv_layer_tensor_bytes
+from llamem.analytic.kv_cache import kv_cache_bytes, kv_layer_tensor_bytes, stored_tokens
 from llamem.analytic.logits import training_logits
 from llamem.analytic.optimizer import gradient_bytes, has_step_temporaries, optimizer_state_bytes
 from llamem.analytic.weights import (autocast_copy_bytes, layer_autocast_copy_bytes, lora_tensor_sizes,
@@ -217,14 +217,13 @@ def _head_grad_bytes(spec: ModelSpec, w: Workload) -> int:
     return head + r512(dtype_bytes * spec.embedding_params) + r512(dtype_bytes * spec.hidden_size)
 
 
-def _prefill_transient(spec: ModelSpec, w: Workload) -> int:
-    """Largest set of live temporaries inside one layer during prefill (no autograd)."""
-    T = w.batch * w.seq
+def _prefill_transient(spec: ModelSpec, w: Workload, chunk: int, keys: int) -> int:
+    """Largest set of live temporaries inside one layer while a prefill forward runs `chunk` prompt
+    tokens against `keys` keys (no autograd)."""
+    T = w.batch * chunk
     e = act.compute_bytes(w)
     h, I = spec.hidden_size, spec.intermediate_size
-    # LlamaModel keeps `inputs_embeds` referenced through the layer loop, plus RoPE's cos and sin;
-    # from layer 1 on, the loop variable also keeps the current layer's input.
-    held = r512(e * T * h) * (2 if spec.num_layers > 1 else 1) + 2 * r512(e * w.seq * spec.head_dim)
+    held = _prefill_held(spec, w, chunk)
     mlp = held + 2 * r512(e * T * h) + 3 * r512(e * T * I)
     norm = held + r512(e * T * h) + 2 * r512(4 * T * h)
     attention = 0
@@ -232,33 +231,109 @@ def _prefill_transient(spec: ModelSpec, w: Workload) -> int:
         # Eager attention: the (b, 1, s, s) additive mask for the whole model; per layer the norm
         # output, q, k and v repeated to all heads (GQA), the scores (compute dtype), their fp32
         # upcast and the fp32 softmax.
-        probs = w.batch * spec.num_heads * w.seq * w.seq
-        mask = r512(e * w.batch * w.seq * w.seq)
+        probs = w.batch * spec.num_heads * chunk * keys
+        mask = r512(e * w.batch * chunk * keys)
         q = spec.q_dim
-        repeats = 2 * r512(e * T * q) if spec.gqa_groups > 1 else 0  # repeat_kv copies (GQA only)
+        repeats = 2 * r512(e * w.batch * keys * q) if spec.gqa_groups > 1 else 0  # repeat_kv copies (GQA only)
         upcast = r512(4 * probs) if e < 4 else 0  # softmax(dtype=float32) on non-fp32 scores
         attention = held + mask + r512(e * T * h) + r512(e * T * q) + repeats + r512(e * probs) + upcast + r512(
             4 * probs)
     return max(mlp, norm, attention)
 
 
+def _prefill_held(spec: ModelSpec, w: Workload, chunk: int) -> int:
+    """LlamaModel keeps `inputs_embeds` referenced through the layer loop, plus RoPE's cos and sin;
+    from layer 1 on, the loop variable also keeps the current layer's input."""
+    e = act.compute_bytes(w)
+    return r512(e * w.batch * chunk * spec.hidden_size) * (2 if spec.num_layers > 1 else 1) + 2 * r512(
+        e * chunk * spec.head_dim)
+
+
+def _chunks(w: Workload) -> tuple[int, int]:
+    """(chunk length, last chunk's length) of the prefill."""
+    chunk = min(w.prefill_chunk or w.seq, w.seq)
+    return chunk, w.seq - (w.seq - 1) // chunk * chunk
+
+
+def _prefill(spec: ModelSpec, w: Workload) -> dict[str, int]:
+    """The prefill's worst moment: inside the last layer, before the head runs (its logits are one
+    token). A chunked prefill's is in its first chunk (no mask yet), its last, or the last full-size one."""
+    chunk, last = _chunks(w)
+    if spec.sliding_window and chunk > spec.sliding_window:
+        # A window shorter than the chunk: a plain causal mask no longer says it, so the first chunk
+        # already has the explicit mask and what comes with it.
+        candidates = _chunk_moments(spec, w, chunk, chunk, first=True)
+    else:
+        candidates = [{"kv_cache": kv_cache_bytes(spec, w.batch, chunk, w.kv_dtype),
+                       "temporaries": _prefill_transient(spec, w, chunk, chunk)}]
+    if chunk < w.seq:
+        candidates += _chunk_moments(spec, w, last, w.seq)
+    if w.seq - last > chunk:
+        candidates += _chunk_moments(spec, w, chunk, w.seq - last)
+    return max(candidates, key=lambda moment: sum(moment.values()))
+
+
+def _chunk_moments(spec: ModelSpec, w: Workload, chunk: int, end: int, first: bool = False) -> list[dict[str, int]]:
+    """Candidate worst moments of a prefill chunk with an attention mask, ending at prompt position `end`."""
+    e = act.compute_bytes(w)
+    T = w.batch * chunk
+    keys = stored_tokens(spec, end, chunk)  # the cache's concatenation with the chunk
+    cache = kv_cache_bytes(spec, w.batch, keys, w.kv_dtype)
+    # Attention needs an explicit (chunk x keys) bool mask, broadcast over the batch; generate() still
+    # holds the previous chunk's last-token logits.
+    shared = {} if first else {"logits": r512(e * w.batch * spec.vocab_size)}
+    mask = r512(chunk * keys) + r512(8 * chunk)  # and the chunk's cache positions
+    held = _prefill_held(spec, w, chunk)
+    moments = [{**shared, "kv_cache": cache, "temporaries": _prefill_transient(spec, w, chunk, keys) + mask}]
+    # The cache grows by torch.cat: in the last layer, the old V (DynamicLayer; a sliding-window
+    # layer also the old K) is still alive beside the new one, with the chunk's projections.
+    projections = 2 * r512(e * T * spec.hidden_size) + r512(e * T * spec.q_dim)
+    old = kv_layer_tensor_bytes(spec, w.batch, stored_tokens(spec, end - chunk, chunk), w.kv_dtype)
+    if not first:
+        moments.append({**shared, "kv_cache": cache + _old_tensors_alive(spec) * old,
+                        "temporaries": held + projections + mask})
+    if w.attn == "sdpa":
+        # With a mask, transformers repeats K and V to every query head (GQA in SDPA needs no mask),
+        # and SDPA turns the bool mask into an additive one of the batch's full size.
+        repeats = 2 * r512(e * w.batch * keys * spec.q_dim) if spec.gqa_groups > 1 else 0
+        additive = r512(e * w.batch * chunk * keys)
+        output = r512(e * T * spec.q_dim) + r512(4 * w.batch * spec.num_heads * chunk)
+        moments.append({**shared, "kv_cache": cache, "temporaries": (
+            held + 2 * r512(e * T * spec.hidden_size) + repeats + additive + mask + output)})
+    return moments
+
+
+def _old_tensors_alive(spec: ModelSpec) -> int:
+    """Old cache tensors of one layer alive while it grows: DynamicLayer replaces K before making the
+    new V; DynamicSlidingWindowLayer makes both before replacing either."""
+    return 2 if spec.sliding_window else 1
+
+
+def _decode_cache(spec: ModelSpec, w: Workload) -> int:
+    """The cache at the decode's worst moment: one layer's old and new tensors alive at once, at the
+    last step, or at the first for a sliding window (the prompt's storage is still whole)."""
+    _chunk, last = _chunks(w)
+    final = w.seq + w.new_tokens - 1
+    moments = [(stored_tokens(spec, final - 1), stored_tokens(spec, final))]
+    if spec.sliding_window:
+        moments.append((stored_tokens(spec, w.seq, last), stored_tokens(spec, w.seq + 1)))
+    return max(kv_cache_bytes(spec, w.batch, before, w.kv_dtype) + _old_tensors_alive(spec) * (
+        kv_layer_tensor_bytes(spec, w.batch, after, w.kv_dtype)) for before, after in moments)
+
+
 def _inference_phases(spec: ModelSpec, w: Workload, weights: dict[str, int]) -> dict[str, dict[str, int]]:
     inputs = {"inputs": r512(8 * w.batch * w.seq)}
-    prompt_cache = kv_cache_bytes(spec, w.batch, w.seq, w.kv_dtype)
-    # The worst moment is inside the last layer, before the head runs (its logits are one token).
-    prefill = _add(weights, inputs, {"kv_cache": prompt_cache, "temporaries": _prefill_transient(spec, w)})
+    prefill = _add(weights, inputs, _prefill(spec, w))
     phases = {"load": dict(weights), "prefill": prefill}
     if w.new_tokens > 1:
         final = w.seq + w.new_tokens - 1
-        # DynamicCache grows by torch.cat: the new K (or V) of one layer is allocated beside the old one.
-        growth = kv_layer_tensor_bytes(spec, w.batch, final, w.kv_dtype)
         vocab = w.batch * spec.vocab_size
         # Eager attention repeats the whole cached K and V to every query head (GQA only).
         repeated = 0
         if w.attn == "eager" and spec.gqa_groups > 1:
-            repeated = 2 * r512(DTYPE_BYTES[w.compute_dtype] * w.batch * spec.q_dim * cached_tokens(spec, final))
+            repeated = 2 * r512(DTYPE_BYTES[w.compute_dtype] * w.batch * spec.q_dim * stored_tokens(spec, final))
         phases["decode"] = _add(weights, inputs, {
             "temporaries": repeated,
-            "kv_cache": kv_cache_bytes(spec, w.batch, final - 1, w.kv_dtype) + growth,
+            "kv_cache": _decode_cache(spec, w),
             "logits": r512(DTYPE_BYTES[w.compute_dtype] * vocab) + r512(4 * vocab)})
     return phases

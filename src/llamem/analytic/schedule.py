@@ -16,7 +16,7 @@ from __future__ import annotations
 from llamem.allocator.replay import AllocEvent
 from llamem.analytic import activations as act
 from llamem.analytic.common import r512
-from llamem.analytic.kv_cache import kv_layer_tensor_bytes
+from llamem.analytic.kv_cache import kv_layer_tensor_bytes, stored_tokens
 from llamem.analytic.optimizer import BNB_BLOCK, BNB_MIN_8BIT_SIZE, adafactor_state_tensors, has_step_temporaries
 from llamem.analytic.weights import linear_weight_bytes, trainable_numels, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
@@ -293,27 +293,91 @@ def _rope_ops(ev: _Events, size: int) -> int:
 
 
 def inference_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
-    """Generation without autograd, op by op through each decoder layer as transformers runs it."""
-    T = w.batch * w.seq
-    e = act.compute_bytes(w)
-    h, q, kv, I = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+    """Generation without autograd, op by op through each decoder layer as transformers runs it:
+    the prompt whole or in chunks (`generate`'s prefill_chunk_size), then the decode steps."""
     ev = _Events()
     ev.alloc(weight_tensor_sizes(spec, w))
-    ev.alloc([r512(8 * T)])  # input ids
+    ev.alloc([r512(8 * w.batch * w.seq)])  # input ids
+    cache: list[list[int]] = [[] for _ in range(spec.num_layers)]
+    chunk = min(w.prefill_chunk or w.seq, w.seq)
+    logits: list[int] = []
+    for start in range(0, w.seq, chunk):
+        new = min(chunk, w.seq - start)
+        _prefill_forward(ev, spec, w, cache, new, start + new, masked=start > 0 or bool(
+            spec.sliding_window and new > spec.sliding_window))
+        # The chunk's last-token logits; generate() drops the previous chunk's once this one returns.
+        fresh = ev.alloc([r512(act.compute_bytes(w) * w.batch * spec.vocab_size)])
+        ev.free(logits)
+        logits = fresh
+    ev.free(logits)
+    steps = min(max(w.new_tokens - 1, 0), MAX_DECODE_STEPS)
+    first = w.seq + max(w.new_tokens - 1, 0) - steps
+    if spec.sliding_window and steps and first > w.seq:
+        first = w.seq  # a sliding window's worst step is the first: the prompt's storage is still whole
+    for step in range(steps):
+        end = first + step + 1
+        for layer in range(spec.num_layers):
+            _grow_cache(ev, spec, w, cache, layer, stored_tokens(spec, end))
+        ev.free(ev.alloc([r512(4 * w.batch * spec.vocab_size)]))
+    return ev.events
+
+
+def _grow_cache(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list[int]], layer: int, kept: int) -> None:
+    """DynamicLayer concatenates and replaces K, then V; a sliding-window layer makes both first."""
+    size = kv_layer_tensor_bytes(spec, w.batch, kept, w.kv_dtype)
+    old = cache[layer]
+    if spec.sliding_window or not old:
+        cache[layer] = ev.alloc([size] * 2)
+        ev.free(old)
+        return
+    keys = ev.alloc([size])
+    ev.free(old[:1])
+    values = ev.alloc([size])
+    ev.free(old[1:])
+    cache[layer] = keys + values
+
+
+def _mask_ops(ev: _Events, spec: ModelSpec, size: int) -> list[int]:
+    """The (chunk x keys) bool mask; a sliding window's is the AND of the causal and the window
+    conditions, each built in two steps."""
+    if not spec.sliding_window:
+        return ev.alloc([size])
+    first, second = ev.alloc([size] * 2)
+    ev.free([first])
+    third, mask = ev.alloc([size] * 2)
+    ev.free([third, second])
+    return [mask]
+
+
+def _prefill_forward(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list[int]], new: int, end: int,
+                     masked: bool) -> None:
+    """One prefill forward of `new` prompt tokens ending at position `end`."""
+    T = w.batch * new
+    e = act.compute_bytes(w)
+    h, q, kv, I = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+    keys = stored_tokens(spec, end, new)
+    positions = ev.alloc([r512(8 * new)]) if masked else []
     embeds = ev.alloc([r512(e * T * h)])[0]
-    ev.alloc([r512(e * w.seq * spec.head_dim)] * 2)  # RoPE cos, sin
-    cache = []
+    rope = ev.alloc([r512(e * new * spec.head_dim)] * 2)  # cos, sin
+    mask = _mask_ops(ev, spec, r512(new * keys)) if masked else []
     x = embeds
-    for _layer in range(spec.num_layers):
+    for layer in range(spec.num_layers):
         y = _norm_ops(ev, T, h, e)
         q_proj, k_proj, v_proj = ev.alloc([r512(e * T * q), r512(e * T * kv), r512(e * T * kv)])
         q_rot = _rope_ops(ev, r512(e * T * q))
         k_rot = _rope_ops(ev, r512(e * T * kv))
         ev.free([q_proj, k_proj])
-        layer_cache = ev.alloc([kv_layer_tensor_bytes(spec, w.batch, w.seq, w.kv_dtype)] * 2)
+        _grow_cache(ev, spec, w, cache, layer, keys)
         ev.free([k_rot, v_proj])
+        extra = []
+        if masked and w.attn == "sdpa":
+            # transformers repeats K and V to every head when a mask is passed (GQA), and SDPA makes
+            # the bool mask additive.
+            repeats = [r512(e * w.batch * keys * q)] * 2 if spec.gqa_groups > 1 else []
+            extra = ev.alloc(repeats + [r512(e * w.batch * new * keys)])
         attn = ev.alloc([r512(e * T * q)])
-        ev.free(ev.alloc([r512(4 * w.batch * spec.num_heads * w.seq)]))  # logsumexp
+        ev.free(ev.alloc([r512(4 * w.batch * spec.num_heads * new)]))  # logsumexp
+        ev.free(extra)
         out = ev.alloc([r512(e * T * h)])
         ev.free(attn + [q_rot, y])
         h1 = ev.alloc([r512(e * T * h)])[0]
@@ -330,16 +394,7 @@ def inference_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
         h2 = ev.alloc([r512(e * T * h)])[0]
         ev.free(down + [h1] + ([x] if x != embeds else []))
         x = h2
-        cache.append(layer_cache)
-    steps = min(max(w.new_tokens - 1, 0), MAX_DECODE_STEPS)
-    start = w.seq + max(w.new_tokens - 1, 0) - steps
-    for step in range(steps):
-        for layer in range(spec.num_layers):
-            grown = ev.alloc([kv_layer_tensor_bytes(spec, w.batch, start + step + 1, w.kv_dtype)] * 2)
-            ev.free(cache[layer])
-            cache[layer] = grown
-        ev.free(ev.alloc([r512(4 * w.batch * spec.vocab_size)]))
-    return ev.events
+    ev.free([x, embeds] + rope + mask + positions)
 
 
 def schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:

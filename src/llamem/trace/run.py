@@ -292,8 +292,12 @@ def _infer(model, workload: Workload, spec: ModelSpec, tracer: StorageTracer, de
         ids = _inputs(workload, spec, tracer, device)
         cache = DynamicCache(config=model.config)
         tracer.category = "temporaries"
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        _label_cache(cache, tracer)
+        # generate()'s _prefill: the prompt in chunks when prefill_chunk_size is set, the previous
+        # chunk's output alive until the next one returns.
+        chunk = workload.prefill_chunk or workload.seq
+        for start in range(0, workload.seq, chunk):
+            out = model(input_ids=ids[:, start:start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+            _label_cache(cache, tracer)
         for _ in range(max(workload.new_tokens - 1, 0)):
             # generate(): an fp32 copy of the last logits, then the next token.
             next_ids = out.logits[:, -1, :].to(copy=True, dtype=torch.float32).argmax(-1, keepdim=True)
