@@ -1,5 +1,6 @@
 """The planner, the GPU catalog, and per-GPU memory of parallel layouts."""
 
+import dataclasses
 import json
 
 import pytest
@@ -173,7 +174,82 @@ def test_multi_gpu_plan_command_reproduces_per_gpu_memory(capsys):
     (["estimate", "llama-3.1-8b", "--offload", "optimizer"], "--sharding zero2"),
     (["plan", "llama-3.1-8b", "--gpu", "h100", "--gpus", "0"], "at least 1"),
     (["estimate", "llama-3.1-8b", "--gpus", "8", "--tp", "3", "--pp", "1"], "not a multiple"),
+    (["estimate", "llama-3.1-8b", "--pp-schedule", "gpipe"], "--pp N"),
 ])
 def test_layout_errors_name_the_fix(capsys, args, fragment):
     code, _, err = run(capsys, *args)
     assert code == 1 and fragment in err and "Traceback" not in err
+
+
+def test_long_prompt_uses_chunked_prefill_before_changing_numerics(capsys):
+    # 128k tokens of Llama-3.1-8B on an 80 GB card: the whole-prompt prefill's MLP temporaries
+    # do not fit, chunked prefill (same outputs) does, so no quantization is needed.
+    code, out, _ = run(capsys, "plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--task", "infer", "--batch", "4",
+                       "--seq", "65536", "--new-tokens", "16", "--json")
+    data = json.loads(out)
+    final = data["final"]["config"]["workload"]
+    assert code == 0 and data["fits"]
+    assert final["prefill_chunk"] > 0 and final["quant"] == "none" and final["kv_dtype"] == "bf16"
+    assert [s["technique"] for s in data["steps"]] == ["chunked prefill"]
+    assert f"--prefill-chunk {final['prefill_chunk']}" in data["final"]["command"]
+    code, out, _ = run(capsys, *data["final"]["command"].split()[1:], "--json")
+    assert json.loads(out)["peak_allocated_bytes"] == data["final"]["peak_allocated_bytes"]
+
+
+def test_truncation_is_the_last_resort(capsys):
+    args = ("plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--task", "infer", "--seq", "131000", "--new-tokens", "16",
+            "--exact", "--json")
+    code, out, _ = run(capsys, *args)
+    data = json.loads(out)
+    kept = data["final"]["config"]["workload"]["seq"]
+    assert code == 0 and data["fits"] and data["truncated"] == {"requested_seq": 131000, "seq": kept}
+    assert 1 < kept < 131000 and data["steps"][-1]["technique"] == "sequence length"
+    assert any("truncation_side='left'" in note for note in data["notes"])
+    # The next token more does not fit with the same configuration.
+    more = build_workload(**{k: v for k, v in data["final"]["config"]["workload"].items()
+                             if k in ("task", "batch", "new_tokens", "precision", "kv_dtype", "prefill_chunk")},
+                          seq=kept + 1)
+    from llamem.plan import Planner
+
+    planner = Planner(load_model("llama-3.1-8b"), get_gpu("rtx-4090"), host_budget_bytes=0, max_tier=0)
+    assert planner.best(more, 1)[0] is None or planner.best(more, 1)[0].workload.prefill_chunk != more.prefill_chunk
+    code, _, err = run(capsys, *args, "--no-truncation")
+    assert code == 2 and "GiB over" in err
+
+
+def test_training_splits_sequences_instead_of_dropping_tokens(capsys):
+    code, out, _ = run(capsys, "plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--task", "lora", "--seq", "65536",
+                       "--json")
+    data = json.loads(out)
+    final = data["final"]["config"]["workload"]
+    pieces = -(-65536 // final["seq"])
+    assert code == 0 and data["fits"] and final["seq"] < 65536
+    assert final["batch"] * final["grad_accum"] == pieces  # every token still trained on in a step
+    assert data["steps"][-1]["change"] == f"split each sequence into {pieces} of {final['seq']} tokens"
+
+
+def test_pipeline_micro_batches_are_the_accumulation_steps():
+    from llamem.plan import Planner
+
+    spec, gpu = load_model("llama-2-70b"), get_gpu("h100-80gb")
+    planner = Planner(spec, gpu, host_budget_bytes=0)
+    workload = build_workload(task="train", batch=8, seq=4096, grad_accum=4)
+    piped = [c for c in planner.candidates(workload, 16) if c.layout.pp > 1]
+    assert piped and all(c.layout.microbatches == c.workload.grad_accum for c in piped)
+    # The global batch is kept: micro-batch x accumulation = 32 sequences per replica.
+    assert all(c.workload.batch * c.workload.grad_accum == 32 for c in piped)
+    # More micro-batches shrink the bubble: 32 micro-batches of 1 beat 4 of 8, per token.
+    by_micro = {(dataclasses.replace(c.layout, microbatches=1), c.workload.batch): c for c in piped
+                if not c.workload.ac_every and c.workload.loss == "full"}
+    layout = next(layout for layout, batch in by_micro if batch == 1 and (layout, 8) in by_micro)
+    assert by_micro[(layout, 1)].seconds_per_token < by_micro[(layout, 8)].seconds_per_token
+
+
+def test_gpipe_keeps_every_micro_batch_in_flight(capsys):
+    common = ("estimate", "llama-2-7b", "--task", "train", "--gpus", "4", "--pp", "4", "--grad-accum", "16",
+              "--ac", "full", "--json")
+    _, one_f_one_b, _ = run(capsys, *common)
+    _, gpipe, _ = run(capsys, *common, "--pp-schedule", "gpipe")
+    one, g = json.loads(one_f_one_b), json.loads(gpipe)
+    # 1F1B keeps min(p, M) = 4 micro-batches' activations, GPipe all 16.
+    assert g["phase_breakdowns"]["forward"]["activations"] == 4 * one["phase_breakdowns"]["forward"]["activations"]

@@ -79,11 +79,13 @@ def layout_options(command):
                      help="Data-parallel sharding.  [default: ddp with several GPUs]"),
         click.option("--offload", type=click.Choice(["none", "optimizer", "optimizer+params"]), default="none",
                      show_default=True, help="DeepSpeed ZeRO-Offload to host memory."),
+        click.option("--pp-schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True,
+                     help="Pipeline schedule: micro-batches in flight on the first stage (pp, or all of them)."),
     ]
     return functools.reduce(lambda cmd, option: option(cmd), reversed(options), command)
 
 
-def make_layout(spec, workload, gpus, tp, pp, sharding, offload):
+def make_layout(spec, workload, gpus, tp, pp, sharding, offload, pp_schedule="1f1b"):
     from llamem.errors import InvalidWorkload
     from llamem.parallel import Layout, check_layout
 
@@ -91,10 +93,13 @@ def make_layout(spec, workload, gpus, tp, pp, sharding, offload):
         raise InvalidWorkload(["--gpus, --tp and --pp must be at least 1"])
     if gpus % (tp * pp):
         raise InvalidWorkload([f"--gpus {gpus} is not a multiple of --tp {tp} x --pp {pp}"])
+    if pp_schedule != "1f1b" and pp == 1:
+        raise InvalidWorkload([f"--pp-schedule {pp_schedule} needs pipeline parallelism: add --pp N (N > 1)"])
     dp = gpus // (tp * pp)
     sharding = sharding or ("ddp" if dp > 1 else "none")
-    layout = Layout(dp=dp, tp=tp, pp=pp, sharding=sharding, offload=offload,
-                    microbatches=max(workload.grad_accum, pp) if pp > 1 else 1)
+    # Under pipeline parallelism the accumulation steps are the pipeline's micro-batches.
+    layout = Layout(dp=dp, tp=tp, pp=pp, sharding=sharding, offload=offload, pipeline_schedule=pp_schedule,
+                    microbatches=workload.grad_accum if pp > 1 else 1)
     problems = check_layout(spec, layout)
     if problems:
         raise InvalidWorkload(problems)
@@ -104,7 +109,7 @@ def make_layout(spec, workload, gpus, tp, pp, sharding, offload):
 @app.command()
 @workload_options
 @layout_options
-def estimate(as_json, gpus, tp, pp, sharding, offload, **options):
+def estimate(as_json, gpus, tp, pp, sharding, offload, pp_schedule, **options):
     """How much memory a workload takes, and where it goes (analytic, no torch)."""
     import dataclasses
 
@@ -115,7 +120,7 @@ def estimate(as_json, gpus, tp, pp, sharding, offload, **options):
 
     spec, workload, teacher = resolve(**options)
     report = run_estimate(spec, workload, teacher)
-    layout = make_layout(spec, workload, gpus, tp, pp, sharding, offload)
+    layout = make_layout(spec, workload, gpus, tp, pp, sharding, offload, pp_schedule)
     if layout.num_gpus > 1 or layout.sharding != "none":
         phases = per_gpu_phases(spec, workload, layout, teacher)
         report = dataclasses.replace(report, phases=phases, notes=report.notes + (
@@ -149,7 +154,9 @@ def trace(as_json, save_trace, **options):
 @click.option("--verify", is_flag=True, help="Re-check the winning plan with `llamem trace` (needs torch).")
 @click.option("--exact", is_flag=True, help="Only changes that keep the numerics: no pure bf16, 8-bit or "
               "factored optimizer state, quantized weights or KV cache.")
-def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verify, exact, **options):
+@click.option("--no-truncation", is_flag=True, help="Never shorten sequences (the last resort when nothing else "
+              "fits); report the shortfall instead.")
+def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verify, exact, no_truncation, **options):
     """The cheapest set of changes that fits a GPU: a ladder, and the command that reproduces it."""
     from llamem.gpus import budget_gpu, get_gpu
     from llamem.plan import does_not_fit, make_plan
@@ -169,7 +176,7 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
     gpu = get_gpu(gpu_name) if gpu_name else budget_gpu(parse_size(budget))
     host = parse_size(host_memory) if host_memory else _host_memory_bytes()
     result = make_plan(spec, workload, gpu, num_gpus=gpus, host_budget_bytes=host, teacher=teacher,
-                       maximize=maximize, min_gpus=min_gpus, exact=exact)
+                       maximize=maximize, min_gpus=min_gpus, exact=exact, truncate=not no_truncation)
     if verify and result.fits:
         from llamem.plan_verify import verify_plan
 

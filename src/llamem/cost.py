@@ -35,7 +35,8 @@ CPU_ADAM_BYTES_PER_S = 10e9
 def step_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
     if not w.is_training:
         return _inference_seconds(spec, w, layout, gpu)
-    tokens = w.batch * w.seq * w.grad_accum * layout.dp * max(layout.microbatches if layout.pp > 1 else 1, 1)
+    # Under pipeline parallelism the accumulation steps are the pipeline's micro-batches.
+    tokens = w.batch * w.seq * w.grad_accum * layout.dp
     N = spec.num_params
     backward = 2 if w.uses_adapters else 4
     flops = tokens * ((2 + backward) * N + 12 * spec.num_layers * spec.hidden_size * w.seq)

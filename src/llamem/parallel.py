@@ -60,7 +60,8 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tp x{self.tp}")
         if self.pp > 1:
-            parts.append(f"pp x{self.pp} ({self.pipeline_schedule}, {self.microbatches} micro-batches)")
+            parts.append(f"pp x{self.pp} ({self.pipeline_schedule}, {self.microbatches} micro-batch"
+                         f"{'es' if self.microbatches > 1 else ''})")
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
         return ", ".join(parts) or "1 GPU"

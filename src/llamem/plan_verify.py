@@ -68,10 +68,17 @@ def _settle_edge(plan: Plan) -> dict:
 
 
 def _check(plan: Plan, workload) -> dict:
+    """Trace the workload; it fits if its device bytes do, or for generation (whose figure is the
+    smallest card it runs on) if its allocations replay on a card of the budget."""
     from llamem.allocator.integrate import add_device_memory
+    from llamem.allocator.replay import runs_on_card
     from llamem.trace.api import run_trace
 
     report, events = run_trace(plan.model, workload)
     report = add_device_memory(report, events, exact=True, num_gpus=1)
+    if workload.task == "infer":
+        fits = runs_on_card(events, plan.gpu.memory_bytes - report.non_torch_bytes) is not None
+    else:
+        fits = report.device_bytes <= plan.gpu.memory_bytes
     return {"batch": workload.batch, "seq": workload.seq, "trace_peak_allocated_bytes": report.peak_allocated_bytes,
-            "trace_peak_device_bytes": report.device_bytes, "fits": report.device_bytes <= plan.gpu.memory_bytes}
+            "trace_peak_device_bytes": report.device_bytes, "fits": fits}

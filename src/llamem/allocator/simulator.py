@@ -198,15 +198,20 @@ class CachingAllocatorSim:
         return self.allocation_size(size)
 
     # Statistics -------------------------------------------------------------------------
+    # (Stat.increase / decrease inlined: these run several times per malloc and free.)
     def _inc(self, name: str, pool: Pool, amount: int) -> None:
         stats = self.stats[name]
-        stats[0].increase(amount)
-        stats[1 if pool.small else 2].increase(amount)
+        for stat in (stats[0], stats[1 if pool.small else 2]):
+            stat.current += amount
+            stat.allocated += amount
+            if stat.current > stat.peak:
+                stat.peak = stat.current
 
     def _dec(self, name: str, pool: Pool, amount: int) -> None:
         stats = self.stats[name]
-        stats[0].decrease(amount)
-        stats[1 if pool.small else 2].decrease(amount)
+        for stat in (stats[0], stats[1 if pool.small else 2]):
+            stat.current -= amount
+            stat.freed += amount
 
     def _trace(self, action: str, addr: int, size: int, stream: int, **extra) -> None:
         if self.record:

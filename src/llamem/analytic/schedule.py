@@ -24,6 +24,11 @@ from llamem.model import ModelSpec
 from llamem.workload import LOSS_CHUNKS, Workload
 
 MAX_DECODE_STEPS = 32
+MAX_PREFILL_LAYER_PASSES = 1024
+"""A long chunked prefill replays layer passes op by op up to this many (chunks x layers): its
+first chunk and as many of its last ones as fit; in between, only
+what grows from chunk to chunk (the cache, the masks, the repeated keys and values), which is
+what fragments the allocator's cache, while the fixed-size temporaries reuse their blocks."""
 
 
 class _Events:
@@ -301,10 +306,15 @@ def inference_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
     cache: list[list[int]] = [[] for _ in range(spec.num_layers)]
     chunk = min(w.prefill_chunk or w.seq, w.seq)
     logits: list[int] = []
-    for start in range(0, w.seq, chunk):
+    starts = list(range(0, w.seq, chunk))
+    in_full = set(starts[:1] + starts[-max(MAX_PREFILL_LAYER_PASSES // spec.num_layers, 2) + 1:])
+    for start in starts:
         new = min(chunk, w.seq - start)
-        _prefill_forward(ev, spec, w, cache, new, start + new, masked=start > 0 or bool(
-            spec.sliding_window and new > spec.sliding_window))
+        masked = start > 0 or bool(spec.sliding_window and new > spec.sliding_window)
+        if start in in_full:
+            _prefill_forward(ev, spec, w, cache, new, start + new, masked)
+        else:
+            _prefill_growth(ev, spec, w, cache, new, start + new)
         # The chunk's last-token logits; generate() drops the previous chunk's once this one returns.
         fresh = ev.alloc([r512(act.compute_bytes(w) * w.batch * spec.vocab_size)])
         ev.free(logits)
@@ -347,6 +357,19 @@ def _mask_ops(ev: _Events, spec: ModelSpec, size: int) -> list[int]:
     third, mask = ev.alloc([size] * 2)
     ev.free([third, second])
     return [mask]
+
+
+def _prefill_growth(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list[int]], new: int, end: int) -> None:
+    """What of a middle prefill chunk grows with the prompt so far: mask, cache, repeated K/V."""
+    e = act.compute_bytes(w)
+    keys = stored_tokens(spec, end, new)
+    mask = _mask_ops(ev, spec, r512(new * keys))
+    for layer in range(spec.num_layers):
+        _grow_cache(ev, spec, w, cache, layer, keys)
+        if w.attn == "sdpa":
+            repeats = [r512(e * w.batch * keys * spec.q_dim)] * 2 if spec.gqa_groups > 1 else []
+            ev.free(ev.alloc(repeats + [r512(e * w.batch * new * keys)]))
+    ev.free(mask)
 
 
 def _prefill_forward(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list[int]], new: int, end: int,

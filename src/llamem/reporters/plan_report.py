@@ -30,6 +30,8 @@ def plan_to_dict(plan: Plan) -> dict:
     }
     if not plan.fits:
         out["shortfall_bytes"] = plan.shortfall_bytes
+    if plan.truncated:
+        out["truncated"] = {"requested_seq": plan.start.workload.seq, "seq": plan.final.workload.seq}
     if plan.maximized:
         out["maximized"] = plan.maximized
     if plan.verification:
