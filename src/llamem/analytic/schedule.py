@@ -24,7 +24,7 @@ from llamem.model import ModelSpec
 from llamem.workload import LOSS_CHUNKS, Workload
 
 MAX_DECODE_STEPS = 32
-MAX_PREFILL_LAYER_PASSES = 1024
+MAX_PREFILL_LAYER_PASSES = 256
 """A long chunked prefill replays layer passes op by op up to this many (chunks x layers): its
 first chunk and as many of its last ones as fit; in between, only
 what grows from chunk to chunk (the cache, the masks, the repeated keys and values), which is
