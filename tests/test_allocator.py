@@ -396,3 +396,33 @@ def test_cli_replay_json_and_oom_exit(tmp_path, capsys):
     assert main(["allocator", "replay", str(path), "--capacity", "30MiB"]) == 2
     assert "OUT OF MEMORY at event 3" in capsys.readouterr().out
     assert main(["allocator", "replay", str(path), "--config", "max_split_size_mb:5"]) == 1
+
+
+def _growing_cache_events(steps: int = 40, start_mib: int = 64, grow_mib: int = 8):
+    """A cache grown by concatenation: each step allocates the larger copy, then frees the old one."""
+    from llamem.allocator.replay import AllocEvent
+
+    events, old = [], None
+    for step in range(steps):
+        events.append(AllocEvent("alloc", step, (start_mib + grow_mib * step) * 2**20))
+        if old is not None:
+            events.append(AllocEvent("free", old, 0))
+        old = step
+    return events
+
+
+def test_smallest_card_is_far_below_the_unlimited_peak_for_a_growing_cache():
+    from llamem.allocator.replay import peak_allocated_bytes, replay, required_reserved_bytes, runs_on_card
+
+    events = _growing_cache_events()
+    allocated, unlimited = required_reserved_bytes(events)
+    _, smallest = required_reserved_bytes(events, smallest_card=True)
+    assert allocated == peak_allocated_bytes(events) == replay(events).peak_allocated_bytes
+    # Every freed block stays cached and is too small for the next one: the unlimited card keeps them all.
+    assert unlimited > 10 * allocated
+    # A real card frees its cache and retries: it runs within 0.4 % of its smallest capacity.
+    assert allocated <= smallest < 1.1 * allocated
+    assert runs_on_card(events, smallest) is not None
+    assert runs_on_card(events, allocated - 2**20) is None
+    _, below = required_reserved_bytes(events, smallest_card=True, runs_within=2 * allocated)
+    assert allocated <= below <= 2 * allocated and runs_on_card(events, below) is not None

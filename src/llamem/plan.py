@@ -159,19 +159,26 @@ class Planner:
         host = host_bytes(layout, local.num_params, min(layout.num_gpus, self.gpu.gpus_per_node))
         return Candidate(w, layout, allocated, device, seconds, tier, host)
 
-    def exact_device_bytes(self, c: Candidate) -> int:
+    def exact_device_bytes(self, c: Candidate, runs_within: int | None = None) -> int:
         """Device bytes with fragmentation from replaying the plan's allocation schedule through the
-        allocator simulator (`required_reserved_bytes`), its ratio applied to the analytic peak."""
-        from llamem.allocator.replay import required_reserved_bytes
+        allocator simulator (`required_reserved_bytes`), its ratio applied to the analytic peak;
+        `runs_within`: device bytes a confirmed generation plan is known to run in."""
+        from llamem.allocator.replay import peak_allocated_bytes, required_reserved_bytes
 
-        allocated, reserved = required_reserved_bytes(self._schedule(c), smallest_card=c.workload.task == "infer")
+        events = self._schedule(c)
+        known = None
+        if runs_within is not None:  # to the schedule's scale, without the non-torch part
+            overhead = non_torch_bytes(c.layout.num_gpus)
+            known = (runs_within - overhead) * peak_allocated_bytes(events) // max(c.allocated_bytes, 1)
+        allocated, reserved = required_reserved_bytes(events, smallest_card=c.workload.task == "infer",
+                                                      runs_within=known)
         return _scaled(c, allocated, reserved)
 
     def confirmed_bytes(self, c: Candidate) -> int:
         """`exact_device_bytes` for the search's confirmations, with one replay. Generation is asked
         whether it runs on a card of the budget (the smallest card it runs on is not larger), and
         answers its peak reserved there, or just over the card if it runs out."""
-        from llamem.allocator.replay import runs_on_card
+        from llamem.allocator.replay import peak_allocated_bytes, runs_on_card
 
         key = (c.workload, c.layout)
         if key not in self.exact_cache:
@@ -179,7 +186,7 @@ class Planner:
                 self.exact_cache[key] = self.exact_device_bytes(c)
             else:
                 events = self._schedule(c)
-                peak = max(_peak_allocated(events), 1)
+                peak = max(peak_allocated_bytes(events), 1)
                 room = self.gpu.memory_bytes - non_torch_bytes(c.layout.num_gpus)
                 reserved = runs_on_card(events, room * peak // max(c.allocated_bytes, 1))
                 if reserved is None:  # ran out: just over the card
@@ -454,18 +461,6 @@ def _scaled(c: Candidate, allocated: int, reserved: int) -> int:
     return int(c.allocated_bytes * (1 + ratio)) + non_torch_bytes(c.layout.num_gpus)
 
 
-def _peak_allocated(events) -> int:
-    sizes, current, peak = {}, 0, 0
-    for event in events:
-        if event.action == "alloc":
-            sizes[event.addr] = event.size
-            current += event.size
-            peak = max(peak, current)
-        else:
-            current -= sizes.pop(event.addr, 0)
-    return peak
-
-
 def _change(name: str, w: Workload) -> str:
     if name == "ac_every":
         return f"ac {w.ac_label}"
@@ -519,6 +514,11 @@ def make_plan(spec: ModelSpec, w: Workload, gpu: GPU, *, num_gpus: int = 1, host
             plan.notes.append(f"the closest plan offloads to host memory and needs {best.host_bytes / 2**30:.1f} GiB "
                               f"of it (budget {host_budget_bytes / 2**30:.1f} GiB, set with --host-memory)")
     else:
+        if final.workload.task == "infer":
+            # Confirmed on a card of the budget, where the allocator keeps what it can: the figure
+            # shown is the smallest card it runs on, as `llamem estimate` gives it.
+            final = dataclasses.replace(final, device_bytes=min(final.device_bytes, planner.exact_device_bytes(
+                final, runs_within=final.device_bytes)))
         plan = Plan(spec, gpu, num_gpus, True, start, final, planner.ladder(start, final),
                     host_budget_bytes=host_budget_bytes, maximized=maximized)
         if plan.truncated:

@@ -170,7 +170,7 @@ BISECTION_PRECISION = 256
 
 
 def required_reserved_bytes(events: list[AllocEvent], config: AllocatorConfig | None = None, *,
-                            smallest_card: bool = False) -> tuple[int, int]:
+                            smallest_card: bool = False, runs_within: int | None = None) -> tuple[int, int]:
     """(peak allocated, peak reserved) that a card must hold for these allocations.
 
     By default the peak reserved on a card without limit, what `max_memory_reserved()` shows on
@@ -178,27 +178,49 @@ def required_reserved_bytes(events: list[AllocEvent], config: AllocatorConfig | 
     block stays cached, too small for the next request: that figure then runs away with the
     number of steps or prefill chunks, while a card that runs out frees its cached blocks and
     retries before it raises. `smallest_card` answers instead the smallest capacity that
-    replays without an out-of-memory error, found by bisection to 0.4 % of the allocated peak."""
-    free = replay(events, config)
-    low, high = free.peak_allocated_bytes, free.peak_reserved_bytes
+    replays without an out-of-memory error, found by bisection to 0.4 % of the allocated peak,
+    below `runs_within` (a capacity known to run) when given, else below the unlimited peak."""
+    if smallest_card and runs_within is not None:
+        peak = low = peak_allocated_bytes(events)
+        high = max(runs_within, low)
+    else:
+        free = replay(events, config)
+        peak = low = free.peak_allocated_bytes
+        high = free.peak_reserved_bytes
+        if not smallest_card:
+            return peak, high
 
     def runs(capacity: int) -> bool:
         return replay(events, config, capacity_bytes=capacity).oom_event_index is None
 
     # The unlimited figure can be many times the allocated peak: gallop up from it first.
-    step = low // 32
-    while smallest_card and low + step < high:
+    step = max(low // 32, 1)
+    while low + step < high:
         if runs(low + step):
             high = low + step
             break
         low, step = low + step, step * 2
-    while smallest_card and high - low > low // BISECTION_PRECISION:
+    while high - low > low // BISECTION_PRECISION:
         mid = (low + high) // 2
         if runs(mid):
             high = mid
         else:
             low = mid
-    return free.peak_allocated_bytes, high
+    return peak, high
+
+
+def peak_allocated_bytes(events: list[AllocEvent]) -> int:
+    """The largest sum of live allocations, without replaying through the allocator."""
+    sizes: dict[int, int] = {}
+    current = peak = 0
+    for event in events:
+        if event.action == "alloc":
+            sizes[event.addr] = event.size
+            current += event.size
+            peak = max(peak, current)
+        else:
+            current -= sizes.pop(event.addr, 0)
+    return peak
 
 
 def runs_on_card(events: list[AllocEvent], capacity_bytes: int, config: AllocatorConfig | None = None) -> int | None:
