@@ -156,7 +156,9 @@ def trace(as_json, save_trace, **options):
               "factored optimizer state, quantized weights or KV cache.")
 @click.option("--no-truncation", is_flag=True, help="Never shorten sequences (the last resort when nothing else "
               "fits); report the shortfall instead.")
-def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verify, exact, no_truncation, **options):
+@click.option("--code", "show_code", is_flag=True, help="Also print the transformers / peft code that applies the plan.")
+def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verify, exact, no_truncation, show_code,
+         **options):
     """The cheapest set of changes that fits a GPU: a ladder, and the command that reproduces it."""
     from llamem.gpus import budget_gpu, get_gpu
     from llamem.plan import does_not_fit, make_plan
@@ -182,6 +184,10 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
 
         result.verification = verify_plan(result)
     click.echo(json.dumps(plan_to_dict(result), indent=2) if as_json else render_plan(result))
+    if show_code and not as_json:
+        from llamem.snippet import plan_code
+
+        click.echo("\ncode:\n" + plan_code(result))
     if not result.fits:
         raise does_not_fit(result)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from llamem.plan import Plan, estimate_command
+from llamem.snippet import plan_code
 from llamem.units import GiB
 
 
@@ -25,7 +26,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "final": {"config": _config(plan.final), "peak_device_bytes": plan.final.device_bytes,
                   "peak_allocated_bytes": plan.final.allocated_bytes,
                   "relative_step_time": round(plan.relative_step_time, 4), "host_bytes": plan.final.host_bytes,
-                  "command": estimate_command(plan)},
+                  "command": estimate_command(plan), "code": plan_code(plan)},
         "notes": plan.notes,
     }
     if not plan.fits:
