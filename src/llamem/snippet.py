@@ -22,7 +22,8 @@ def plan_code(plan: Plan, model_id: str | None = None) -> str:
     """Python that loads the model and runs the plan's final configuration."""
     w = plan.final.workload
     model_id = model_id or plan.model.hf_id or plan.model.name
-    lines = ["import torch", "from transformers import AutoModelForCausalLM, AutoTokenizer"]
+    lines = [f"# pip install {' '.join(_packages(plan, w))}", "import torch",
+             "from transformers import AutoModelForCausalLM, AutoTokenizer"]
     if w.quant != "none":
         lines[-1] += ", BitsAndBytesConfig"
     if w.is_training:
@@ -36,6 +37,23 @@ def plan_code(plan: Plan, model_id: str | None = None) -> str:
     truncated = w.seq < plan.start.workload.seq
     lines += _training_lines(plan, w) if w.is_training else _generation_lines(w, truncated)
     return "\n".join(lines) + "\n"
+
+
+def _packages(plan: Plan, w: Workload) -> list[str]:
+    packages = ["torch", "transformers"]
+    if w.uses_adapters:
+        packages.append("peft")
+    if w.quant != "none" or w.optimizer == "adamw8bit":
+        packages.append("bitsandbytes")
+    if w.kv_dtype == "int4":
+        packages.append("optimum-quanto")
+    elif w.kv_dtype == "int8":
+        packages.append("hqq")
+    if w.is_training:
+        packages.append("accelerate")
+    if plan.final.layout.sharding.startswith("zero"):
+        packages.append("deepspeed")
+    return packages
 
 
 def _tokenizer_lines(plan: Plan, w: Workload) -> list[str]:
