@@ -103,3 +103,18 @@ def test_plan_json_carries_the_code(capsys):
     assert 'bnb_4bit_quant_type="nf4"' in code and "prepare_model_for_kbit_training" in code
     assert f"MAX_LENGTH = {data['final']['config']['workload']['seq']}" in code
     compile(code, "plan_code", "exec")
+
+
+def test_zero3_code_configures_deepspeed_before_loading(capsys):
+    assert main(["plan", "llama-2-70b", "--gpu", "a100-80gb", "--gpus", "8", "--task", "train", "--batch", "8",
+                 "--seq", "4096", "--host-memory", "2TiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    code, layout = data["final"]["code"], data["final"]["config"]["layout"]
+    assert layout["sharding"] == "zero3"
+    assert '"stage": 3' in code and code.index("args = TrainingArguments(") < code.index("AutoModelForCausalLM.from_pretrained(")
+    assert "torchrun --nnodes 1 --nproc_per_node 8" in code
+
+
+def test_no_code_for_a_plan_that_does_not_fit(capsys):
+    assert main(["plan", "llama-2-70b", "--gpu", "rtx-4090", "--task", "train", "--code"]) == 2
+    assert "from_pretrained" not in capsys.readouterr().out

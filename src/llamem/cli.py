@@ -184,7 +184,7 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
 
         result.verification = verify_plan(result)
     click.echo(json.dumps(plan_to_dict(result), indent=2) if as_json else render_plan(result))
-    if show_code and not as_json:
+    if show_code and not as_json and result.fits:
         from llamem.snippet import plan_code
 
         click.echo("\ncode:\n" + plan_code(result))

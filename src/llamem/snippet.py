@@ -33,10 +33,14 @@ def plan_code(plan: Plan, model_id: str | None = None) -> str:
                      (", prepare_model_for_kbit_training" if w.task == "qlora" else ""))
     lines += ["", f'MODEL = "{model_id}"', "tokenizer = AutoTokenizer.from_pretrained(MODEL)"]
     lines += _tokenizer_lines(plan, w)
-    lines += _load_lines(w)
-    truncated = w.seq < plan.start.workload.seq
-    lines += _training_lines(plan, w) if w.is_training else _generation_lines(w, truncated)
-    return "\n".join(lines) + "\n"
+    if not w.is_training:
+        return "\n".join(lines + _load_lines(w) + _generation_lines(w, w.seq < plan.start.workload.seq)) + "\n"
+    if plan.final.layout.sharding == "zero3":
+        lines += ["# TrainingArguments first: with ZeRO-3 set, from_pretrained loads each weight into its shard.",
+                  _arguments_line(plan, w)] + _load_lines(w) + _adapter_lines(w)
+    else:
+        lines += _load_lines(w) + _adapter_lines(w) + [_arguments_line(plan, w)]
+    return "\n".join(lines + _launch_lines(plan)) + "\n"
 
 
 def _packages(plan: Plan, w: Workload) -> list[str]:
@@ -84,10 +88,10 @@ def _load_lines(w: Workload) -> list[str]:
     return lines
 
 
-def _training_lines(plan: Plan, w: Workload) -> list[str]:
+def _adapter_lines(w: Workload) -> list[str]:
     lines = []
     if w.task == "qlora":
-        # (its own checkpointing off: TrainingArguments below enables it, every K layers if planned so)
+        # (its own checkpointing off: TrainingArguments enables it, every K layers if planned so)
         lines.append("model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)")
     if w.uses_adapters:
         targets = ", ".join(f'"{t}"' for t in w.lora_targets)
@@ -97,7 +101,12 @@ def _training_lines(plan: Plan, w: Workload) -> list[str]:
         lines.append("# The chunked loss (the head and cross-entropy 8 chunks of the sequence at a time) is not a "
                      "Trainer option: torchtune's CEWithChunkedOutputLoss.")
     if w.task == "distill":
-        lines.append(f'# Distillation: the frozen teacher ({w.teacher}) in bf16 runs its forward beside the student.')
+        lines.append(f"# Distillation: the frozen teacher ({w.teacher}) runs its forward, without gradients, beside "
+                     "the student.")
+    return lines
+
+
+def _arguments_line(plan: Plan, w: Workload) -> str:
     args = ['output_dir="out"', f"per_device_train_batch_size={w.batch}",
             f"gradient_accumulation_steps={w.grad_accum}", f'optim="{OPTIMIZERS[w.optimizer]}"']
     if w.precision in ("bf16-mixed", "fp16-mixed"):
@@ -109,9 +118,7 @@ def _training_lines(plan: Plan, w: Workload) -> list[str]:
     deepspeed = _deepspeed(plan)
     if deepspeed:
         args.append(f"deepspeed={deepspeed}")
-    lines.append("args = TrainingArguments(" + ", ".join(args) + ")")
-    lines += _launch_lines(plan)
-    return lines
+    return "args = TrainingArguments(" + ", ".join(args) + ")"
 
 
 def _deepspeed(plan: Plan) -> str:

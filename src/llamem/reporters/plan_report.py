@@ -26,10 +26,12 @@ def plan_to_dict(plan: Plan) -> dict:
         "final": {"config": _config(plan.final), "peak_device_bytes": plan.final.device_bytes,
                   "peak_allocated_bytes": plan.final.allocated_bytes,
                   "relative_step_time": round(plan.relative_step_time, 4), "host_bytes": plan.final.host_bytes,
-                  "command": estimate_command(plan), "code": plan_code(plan)},
+                  "command": estimate_command(plan)},
         "notes": plan.notes,
     }
-    if not plan.fits:
+    if plan.fits:
+        out["final"]["code"] = plan_code(plan)
+    else:
         out["shortfall_bytes"] = plan.shortfall_bytes
     if plan.truncated:
         out["truncated"] = {"requested_seq": plan.start.workload.seq, "seq": plan.final.workload.seq}
