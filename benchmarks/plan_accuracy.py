@@ -19,11 +19,9 @@ import time
 import warnings
 
 from llamem import build_workload, load_model
-from llamem.allocator.integrate import add_device_memory
-from llamem.allocator.replay import runs_on_card
 from llamem.gpus import budget_gpu
 from llamem.plan import make_plan
-from llamem.trace.api import run_trace
+from llamem.plan_verify import traced_fits, verify_plan
 
 warnings.filterwarnings("ignore")
 GiB = 2**30
@@ -44,16 +42,6 @@ SCENARIOS = [
 ]
 
 
-def traced_fits(spec, workload, budget: int) -> bool:
-    """The traced device bytes fit the budget; for generation, whose figure is the smallest card
-    it runs on, its allocations replay without an out-of-memory error on a card of the budget."""
-    report, events = run_trace(spec, workload)
-    report = add_device_memory(report, events, exact=True)
-    if workload.task == "infer":
-        return runs_on_card(events, budget - report.non_torch_bytes) is not None
-    return report.device_bytes <= budget
-
-
 def true_maximum(spec, workload, what: str, start: int, budget: int) -> tuple[int, int]:
     """Bisection with the trace engine: the largest value whose traced device bytes fit (a
     context no longer than the model's max_position_embeddings, as the planner answers)."""
@@ -64,7 +52,7 @@ def true_maximum(spec, workload, what: str, start: int, budget: int) -> tuple[in
         if value > limit:
             return False
         changes = {"batch": value, "grad_accum": 1} if what == "batch" else {"seq": value}
-        return traced_fits(spec, dataclasses.replace(workload, **changes), budget)
+        return traced_fits(spec, dataclasses.replace(workload, **changes), budget)[0]
 
     probes = 1
     if fits(start):
@@ -105,8 +93,6 @@ def main() -> int:
         in_budget = answer == 0 or answer <= truth
         verified = None
         if plan.fits:  # what `llamem plan --verify` answers: the trace engine settles the edge
-            from llamem.plan_verify import verify_plan
-
             verify_plan(plan)
             verified = plan.maximized["value"]
         ratio = answer / truth if truth else 0.0

@@ -155,7 +155,7 @@ class Planner:
         allocated = max(sum(b.values()) for b in phases.values())
         device = int(allocated * (1 + self.margin)) + non_torch_bytes(layout.num_gpus)
         seconds = step_seconds(self.spec, w, layout, self.gpu) * (1 + CHUNKED_LOSS_COST * (w.loss == "chunked")) * (
-            1 + CHUNKED_PREFILL_COST * (0 < w.prefill_chunk < w.seq))
+            1 + CHUNKED_PREFILL_COST * (w.prefill_step < w.seq))
         host = host_bytes(layout, local.num_params, min(layout.num_gpus, self.gpu.gpus_per_node))
         return Candidate(w, layout, allocated, device, seconds, tier, host)
 
@@ -403,8 +403,8 @@ class Planner:
             return dataclasses.replace(w, **({"batch": value, "grad_accum": 1} if what == "batch" else {"seq": value}))
 
         # A context never grows past what the model was trained for (max_position_embeddings).
-        limit = self.spec.max_position_embeddings - (w.new_tokens if w.task == "infer" else 0) if what == "seq" else cap
-        limit = min(limit, cap)
+        limit = min(cap, self.spec.max_position_embeddings - (w.new_tokens if w.task == "infer" else 0)
+                    ) if what == "seq" else cap
         # First the edge without fragmentation, from the analytic search alone: an upper bound. Then
         # the allocator simulator's answer below it: where a value does not fit, the fragmentation it
         # found gives the next guess (an analytic edge again), and a bisection settles the rest.

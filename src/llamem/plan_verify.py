@@ -67,18 +67,22 @@ def _settle_edge(plan: Plan) -> dict:
     return {"verified": True, **here, "one_more": above, "traces": len(results), "settled": settled}
 
 
-def _check(plan: Plan, workload) -> dict:
-    """Trace the workload; it fits if its device bytes do, or for generation (whose figure is the
-    smallest card it runs on) if its allocations replay on a card of the budget."""
+def traced_fits(spec, workload, memory_bytes: int):
+    """(fits, report) from tracing the workload on one GPU: it fits if its device bytes do, or for
+    generation (whose figure is the smallest card it runs on) if its allocations replay without an
+    out-of-memory error on a card of `memory_bytes`."""
     from llamem.allocator.integrate import add_device_memory
     from llamem.allocator.replay import runs_on_card
     from llamem.trace.api import run_trace
 
-    report, events = run_trace(plan.model, workload)
+    report, events = run_trace(spec, workload)
     report = add_device_memory(report, events, exact=True, num_gpus=1)
     if workload.task == "infer":
-        fits = runs_on_card(events, plan.gpu.memory_bytes - report.non_torch_bytes) is not None
-    else:
-        fits = report.device_bytes <= plan.gpu.memory_bytes
+        return runs_on_card(events, memory_bytes - report.non_torch_bytes) is not None, report
+    return report.device_bytes <= memory_bytes, report
+
+
+def _check(plan: Plan, workload) -> dict:
+    fits, report = traced_fits(plan.model, workload, plan.gpu.memory_bytes)
     return {"batch": workload.batch, "seq": workload.seq, "trace_peak_allocated_bytes": report.peak_allocated_bytes,
             "trace_peak_device_bytes": report.device_bytes, "fits": fits}

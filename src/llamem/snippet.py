@@ -34,7 +34,7 @@ def plan_code(plan: Plan, model_id: str | None = None) -> str:
     lines += ["", f'MODEL = "{model_id}"', "tokenizer = AutoTokenizer.from_pretrained(MODEL)"]
     lines += _tokenizer_lines(plan, w)
     if not w.is_training:
-        return "\n".join(lines + _load_lines(w) + _generation_lines(w, w.seq < plan.start.workload.seq)) + "\n"
+        return "\n".join(lines + _load_lines(w) + _generation_lines(w, plan.truncated)) + "\n"
     if plan.final.layout.sharding == "zero3":
         lines += ["# TrainingArguments first: with ZeRO-3 set, from_pretrained loads each weight into its shard.",
                   _arguments_line(plan, w)] + _load_lines(w) + _adapter_lines(w)
@@ -61,7 +61,7 @@ def _packages(plan: Plan, w: Workload) -> list[str]:
 
 
 def _tokenizer_lines(plan: Plan, w: Workload) -> list[str]:
-    if w.seq >= plan.start.workload.seq:
+    if not plan.truncated:
         return []
     if w.task == "infer":
         return ["# Nothing fits the whole prompt: keep its last tokens.",
@@ -143,8 +143,9 @@ def _launch_lines(plan: Plan) -> list[str]:
     if layout.num_gpus > 1:
         per_node = min(layout.num_gpus, plan.gpu.gpus_per_node)
         nodes = -(-layout.num_gpus // per_node)
+        zero = " with DeepSpeed ZeRO above" if layout.sharding.startswith("zero") else ""
         lines.append(f"# Launch on {layout.num_gpus} GPUs: torchrun --nnodes {nodes} --nproc_per_node {per_node} "
-                     f"(one process per GPU; DDP{' with DeepSpeed ZeRO above' if layout.sharding.startswith('zero') else ''}).")
+                     f"(one process per GPU; DDP{zero}).")
     if layout.tp > 1 or layout.pp > 1:
         lines.append(f"# Tensor parallel x{layout.tp}, pipeline parallel x{layout.pp} ({layout.pipeline_schedule}, "
                      f"{layout.microbatches} micro-batches): the Trainer does not split layers; the memory above "

@@ -100,6 +100,11 @@ class Workload:
         return self._compute
 
     @property
+    def prefill_step(self) -> int:
+        """Prompt tokens per prefill forward: the chunk, or the whole prompt."""
+        return min(self.prefill_chunk or self.seq, self.seq)
+
+    @property
     def ac_label(self) -> str:
         return {0: "none", 1: "full"}.get(self.ac_every, f"every-{self.ac_every}")
 

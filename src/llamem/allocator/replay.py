@@ -191,7 +191,7 @@ def required_reserved_bytes(events: list[AllocEvent], config: AllocatorConfig | 
             return peak, high
 
     def runs(capacity: int) -> bool:
-        return replay(events, config, capacity_bytes=capacity).oom_event_index is None
+        return runs_on_card(events, capacity, config) is not None
 
     # The unlimited figure can be many times the allocated peak: gallop up from it first.
     step = max(low // 32, 1)

@@ -49,6 +49,15 @@ def compute_bytes(workload: Workload) -> int:
     return int(DTYPE_BYTES[workload.compute_dtype])
 
 
+def masked_sdpa_sizes(spec: ModelSpec, workload: Workload, queries: int, keys: int) -> list[int]:
+    """Temporaries of one layer's SDPA call with an explicit mask (a prefill chunk after the first):
+    transformers repeats K and V to every query head (SDPA takes GQA natively only without a mask),
+    and SDPA turns the bool mask into an additive one of the batch's full size."""
+    e = compute_bytes(workload)
+    repeats = [r512(e * workload.batch * keys * spec.q_dim)] * 2 if spec.gqa_groups > 1 else []
+    return repeats + [r512(e * workload.batch * queries * keys)]
+
+
 def layer_flags(workload: Workload, layer_index: int) -> LayerFlags:
     return _layer_flags(workload.task, workload.lora_targets, workload.ac_every > 0, layer_index > 0)
 

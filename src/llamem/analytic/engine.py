@@ -251,7 +251,7 @@ def _prefill_held(spec: ModelSpec, w: Workload, chunk: int) -> int:
 
 def _chunks(w: Workload) -> tuple[int, int]:
     """(chunk length, last chunk's length) of the prefill."""
-    chunk = min(w.prefill_chunk or w.seq, w.seq)
+    chunk = w.prefill_step
     return chunk, w.seq - (w.seq - 1) // chunk * chunk
 
 
@@ -274,7 +274,8 @@ def _prefill(spec: ModelSpec, w: Workload) -> dict[str, int]:
 
 
 def _chunk_moments(spec: ModelSpec, w: Workload, chunk: int, end: int, first: bool = False) -> list[dict[str, int]]:
-    """Candidate worst moments of a prefill chunk with an attention mask, ending at prompt position `end`."""
+    """Candidate worst moments of a prefill chunk with an attention mask, ending at prompt position
+    `end`."""
     e = act.compute_bytes(w)
     T = w.batch * chunk
     keys = stored_tokens(spec, end, chunk)  # the cache's concatenation with the chunk
@@ -293,13 +294,10 @@ def _chunk_moments(spec: ModelSpec, w: Workload, chunk: int, end: int, first: bo
         moments.append({**shared, "kv_cache": cache + _old_tensors_alive(spec) * old,
                         "temporaries": held + projections + mask})
     if w.attn == "sdpa":
-        # With a mask, transformers repeats K and V to every query head (GQA in SDPA needs no mask),
-        # and SDPA turns the bool mask into an additive one of the batch's full size.
-        repeats = 2 * r512(e * w.batch * keys * spec.q_dim) if spec.gqa_groups > 1 else 0
-        additive = r512(e * w.batch * chunk * keys)
         output = r512(e * T * spec.q_dim) + r512(4 * w.batch * spec.num_heads * chunk)
         moments.append({**shared, "kv_cache": cache, "temporaries": (
-            held + 2 * r512(e * T * spec.hidden_size) + repeats + additive + mask + output)})
+            held + 2 * r512(e * T * spec.hidden_size) + sum(act.masked_sdpa_sizes(spec, w, chunk, keys)) + mask
+            + output)})
     return moments
 
 

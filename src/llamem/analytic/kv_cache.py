@@ -3,9 +3,9 @@
 GQA-sized (kv_heads, never the full hidden size). A sliding-window model caches the last
 `sliding_window - 1` tokens per layer, as a view into the concatenation of those and the newest
 ones: the storage holds them all (transformers' DynamicSlidingWindowLayer), so a whole prompt
-prefilled at once stays in memory until the first decode step replaces it. Quantized caches (int8/int4, KIVI-style as transformers'
-QuantizedCache) add one scale and zero-point (fp32... stored in the compute dtype) per group
-of 64 and keep the last 128 tokens in full precision.
+prefilled at once stays in memory until the first decode step replaces it. Quantized caches
+(int8/int4, KIVI-style as transformers' QuantizedCache) add one scale and zero-point (stored
+in the compute dtype) per group of 64 and keep the last 128 tokens in full precision.
 """
 
 from __future__ import annotations

@@ -304,7 +304,7 @@ def inference_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
     ev.alloc(weight_tensor_sizes(spec, w))
     ev.alloc([r512(8 * w.batch * w.seq)])  # input ids
     cache: list[list[int]] = [[] for _ in range(spec.num_layers)]
-    chunk = min(w.prefill_chunk or w.seq, w.seq)
+    chunk = w.prefill_step
     logits: list[int] = []
     starts = list(range(0, w.seq, chunk))
     in_full = set(starts[:1] + starts[-max(MAX_PREFILL_LAYER_PASSES // spec.num_layers, 2) + 1:])
@@ -361,14 +361,12 @@ def _mask_ops(ev: _Events, spec: ModelSpec, size: int) -> list[int]:
 
 def _prefill_growth(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list[int]], new: int, end: int) -> None:
     """What of a middle prefill chunk grows with the prompt so far: mask, cache, repeated K/V."""
-    e = act.compute_bytes(w)
     keys = stored_tokens(spec, end, new)
     mask = _mask_ops(ev, spec, r512(new * keys))
     for layer in range(spec.num_layers):
         _grow_cache(ev, spec, w, cache, layer, keys)
         if w.attn == "sdpa":
-            repeats = [r512(e * w.batch * keys * spec.q_dim)] * 2 if spec.gqa_groups > 1 else []
-            ev.free(ev.alloc(repeats + [r512(e * w.batch * new * keys)]))
+            ev.free(ev.alloc(act.masked_sdpa_sizes(spec, w, new, keys)))
     ev.free(mask)
 
 
@@ -392,12 +390,7 @@ def _prefill_forward(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list
         ev.free([q_proj, k_proj])
         _grow_cache(ev, spec, w, cache, layer, keys)
         ev.free([k_rot, v_proj])
-        extra = []
-        if masked and w.attn == "sdpa":
-            # transformers repeats K and V to every head when a mask is passed (GQA), and SDPA makes
-            # the bool mask additive.
-            repeats = [r512(e * w.batch * keys * q)] * 2 if spec.gqa_groups > 1 else []
-            extra = ev.alloc(repeats + [r512(e * w.batch * new * keys)])
+        extra = ev.alloc(act.masked_sdpa_sizes(spec, w, new, keys)) if masked and w.attn == "sdpa" else []
         attn = ev.alloc([r512(e * T * q)])
         ev.free(ev.alloc([r512(4 * w.batch * spec.num_heads * new)]))  # logsumexp
         ev.free(extra)

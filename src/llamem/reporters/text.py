@@ -11,7 +11,7 @@ def describe_workload(report: MemoryReport) -> str:
     parts = [w.task, f"batch {w.batch} x seq {w.seq}", w.precision]
     if w.task == "infer":
         parts += [f"{w.new_tokens} new tokens", f"kv {w.kv_dtype}"]
-        if 0 < w.prefill_chunk < w.seq:
+        if w.prefill_step < w.seq:
             parts.append(f"prefill chunks of {w.prefill_chunk}")
     else:
         parts += [w.optimizer, f"ac {w.ac_label}"]

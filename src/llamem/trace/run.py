@@ -294,7 +294,7 @@ def _infer(model, workload: Workload, spec: ModelSpec, tracer: StorageTracer, de
         tracer.category = "temporaries"
         # generate()'s _prefill: the prompt in chunks when prefill_chunk_size is set, the previous
         # chunk's output alive until the next one returns.
-        chunk = workload.prefill_chunk or workload.seq
+        chunk = workload.prefill_step
         for start in range(0, workload.seq, chunk):
             out = model(input_ids=ids[:, start:start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
             _label_cache(cache, tracer)
