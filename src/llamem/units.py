@@ -19,7 +19,7 @@ GB = 10**9
 TB = 10**12
 
 _UNITS = {
-    "": 1, "b": 1,
+    "b": 1,
     "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
     "kb": KB, "mb": MB, "gb": GB, "tb": TB,
     "k": KiB, "m": MiB, "g": GiB, "t": TiB,
@@ -27,15 +27,22 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str) -> int:
-    """'22GiB' -> 23622320128. Bare K/M/G mean binary units, as PyTorch's allocator does."""
+def parse_size(text: str, flag: str = "size") -> int:
+    """'22GiB' -> 23622320128. A unit is required: a bare number is refused, since '22' could mean
+    bytes or gigabytes. Single letters K/M/G/T mean binary units, as PyTorch's allocator reads them."""
     match = _SIZE_RE.match(str(text))
+    if match and not match.group(2):
+        raise LlamemError(f"{flag} {text!r} has no unit: write {match.group(1)}GiB (2^30 bytes) or "
+                          f"{match.group(1)}GB (10^9 bytes); B, KiB, MiB, TiB, KB, MB and TB work too")
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
         raise LlamemError(
-            f"cannot read size {text!r}: write a number and a unit, for example 22GiB, 80GB or 512MiB"
+            f"cannot read {flag} {text!r}: write a number and a unit, for example 22GiB, 80GB or 512MiB"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    num_bytes = int(float(match.group(1)) * _UNITS[unit])
+    if num_bytes <= 0:
+        raise LlamemError(f"{flag} {text!r} must be larger than zero")
+    return num_bytes
 
 
 def to_gib(num_bytes: int) -> float:

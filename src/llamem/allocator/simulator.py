@@ -27,7 +27,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 
 from llamem.allocator.config import SIZE_MAX, AllocatorConfig
-from llamem.errors import LlamemError
+from llamem.errors import EXIT_DOES_NOT_FIT, LlamemError
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1024 * 1024
@@ -41,6 +41,8 @@ POOL_TYPES = ("all", "small_pool", "large_pool")
 
 class SimulatedOOM(LlamemError):
     """The allocation that would raise torch.OutOfMemoryError, with the message torch would print."""
+
+    exit_code = EXIT_DOES_NOT_FIT
 
     def __init__(self, message: str, size: int, alloc_size: int):
         self.size = size
