@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # The dev environment is pinned; pyproject.toml accepts a range for users with CUDA builds.
 PINS := torch==2.13.0 transformers==5.24.0 accelerate==1.15.0 peft==0.21.2 deepspeed==0.19.8 pytest==9.2.0 hypothesis==6.170.17
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench golden clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest
+
+golden: setup
+	$(BIN)/python tests/golden_cases.py --regen
 
 bench: setup
 	$(BIN)/python benchmarks/analytic_speed.py

@@ -73,6 +73,10 @@ def test_trace_and_estimate_agree_through_the_cli(capsys, args):
     assert set(estimated) == set(traced)
     assert traced["engine"] == "trace" and estimated["engine"] == "analytic"
     assert abs(estimated["peak_allocated_bytes"] / traced["peak_allocated_bytes"] - 1) <= 0.02
+    # One meaning of device memory: both engines add the same fragmentation allowance and overhead to
+    # their own peak, so where the peaks agree to the byte, so do the device figures.
+    assert estimated["device_bytes"] - estimated["peak_allocated_bytes"] == (
+        traced["device_bytes"] - traced["peak_allocated_bytes"])
 
 
 def test_save_trace_writes_every_event(tmp_path, capsys):

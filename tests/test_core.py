@@ -19,19 +19,30 @@ def test_core_is_torch_free():
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("options", [
-    dict(task="train"), dict(task="train", precision="bf16", ac="x"), dict(task="lora"),
-    dict(task="qlora", optimizer="adamw8bit"), dict(task="infer", new_tokens=64),
-    dict(task="distill", teacher="llama-3.1-70b"), dict(task="train", grad_accum=4, optimizer="sgd"),
-])
-def test_breakdown_adds_up_to_the_peak(options):
-    options = dict(options)
-    ac = options.pop("ac", None)
-    w = build_workload(**options, ac_every=2 if ac else None)
-    report = estimate(load_model("llama-3.1-8b"), w)
-    assert sum(report.breakdown.values()) == report.peak_allocated_bytes
-    assert report.peak_allocated_bytes == max(report.phase_peaks.values())
-    assert all(isinstance(v, int) and v >= 0 for v in report.breakdown.values())
+def test_adamw_state_of_a_7b_full_fine_tune():
+    report = estimate(load_model("llama-2-7b"), build_workload(task="train", seq=16))
+    optimizer = report.phases["optimizer"]
+    # fp32 master weights under bf16 autocast: both moments are 6,738,415,616 params x 4 bytes (every
+    # tensor a multiple of 512 B); one 1-element fp32 `step` per tensor, each rounded to 512 B: the
+    # embedding, 32 layers x (2 norms + 7 linears), the final norm and the head are 291 tensors.
+    assert optimizer["optimizer/exp_avg"] == optimizer["optimizer/exp_avg_sq"] == 6_738_415_616 * 4
+    assert optimizer["optimizer/step"] == 291 * 512
+    # The fp32 gradients mirror the weights.
+    assert optimizer["gradients"] == 6_738_415_616 * 4
+
+
+def test_lora_adapters_of_an_8b():
+    report = estimate(load_model("llama-3.1-8b"), build_workload(task="lora"))
+    # r=8 on q_proj (4096 -> 4096) and v_proj (4096 -> 1024), fp32 as peft keeps them:
+    # A is 8 x 4096 for both, B is 4096 x 8 and 1024 x 8; 32 layers.
+    per_layer = 4 * (8 * 4096 + 4096 * 8 + 8 * 4096 + 1024 * 8)
+    assert report.phases["load"]["weights/adapters"] == 32 * per_layer == 13_631_488
+
+
+def test_kv_cache_of_an_8b_prompt():
+    report = estimate(load_model("llama-3.1-8b"), build_workload(task="infer", seq=1024, new_tokens=1))
+    # K and V, 32 layers, 1024 tokens, 8 KV heads x 128 dims, bf16 (GQA-sized, never hidden_size).
+    assert report.phases["prefill"]["kv_cache"] == 2 * 32 * 1024 * 8 * 128 * 2 == 134_217_728
 
 
 def test_weights_of_a_bf16_7b():
@@ -111,9 +122,10 @@ def test_cli_json_keys(capsys):
     assert code == 0
     data = json.loads(out)
     assert data["model"]["num_params"] == 6738415616
-    for key in ("peak_allocated_bytes", "peak_phase", "breakdown", "phases", "model"):
+    for key in ("peak_allocated_bytes", "peak_phase", "breakdown", "phases", "model", "device_bytes"):
         assert key in data
-    assert sum(data["breakdown"].values()) == data["peak_allocated_bytes"]
+    # fp32 master weights (bf16-mixed) and RoPE's two fp32 buffers of 64 values, 512 B each.
+    assert data["breakdown"]["weights"] == 6738415616 * 4 + 2 * 512
 
 
 def test_cli_lora_breakdown(capsys):
@@ -121,8 +133,12 @@ def test_cli_lora_breakdown(capsys):
                            "--json")
     data = json.loads(out)
     assert code == 0
-    assert {"weights", "weights/adapters", "gradients", "activations", "logits"} <= set(data["breakdown"]) | {
-        "gradients"}
+    # At the backward peak of the second step: the frozen base, the adapters and their AdamW state (made in
+    # the first step), saved activations and the loss's buffers; no gradient yet (the peak is where the
+    # loss's backward starts, before any adapter's gradient exists).
+    assert set(data["breakdown"]) == {"weights", "weights/adapters", "optimizer/exp_avg", "optimizer/exp_avg_sq",
+                                      "optimizer/step", "activations", "logits", "inputs"}
+    assert data["peak_phase"] == "backward"
     assert data["workload"]["lora_targets"] == ["q_proj", "v_proj"]
 
 
@@ -133,6 +149,9 @@ def test_cli_lora_breakdown(capsys):
     (["estimate", "llama-2-7b", "--override", "layers=2"], 1, "not a field llamem reads"),
     (["estimate", "llama-2-7b", "--task", "fly"], 2, "Invalid value"),
     (["estimate"], 1, "name a model"),
+    (["estimate", "llama-2-7b", "--batch", "x"], 2, "is not a valid integer"),
+    (["plan", "llama-2-7b", "--budget", "22"], 1, "has no unit"),
+    (["estimate", "llama-2-7b", "--lora-targets", "q_proj,q_proj", "--task", "lora"], 1, "more than once"),
 ])
 def test_cli_errors(capsys, args, code, fragment):
     got, _out, err = run_cli(capsys, *args)
@@ -152,6 +171,8 @@ def test_estimate_reports_device_memory(capsys):
     code, out, _ = run_cli(capsys, "estimate", "llama-3.1-8b", "--task", "lora", "--json")
     data = json.loads(out)
     assert code == 0
-    assert data["peak_reserved_bytes"] >= data["peak_allocated_bytes"]
-    assert data["device_bytes"] == data["peak_reserved_bytes"] + data["non_torch_bytes"]
-    assert data["device_bytes"] >= data["peak_reserved_bytes"]
+    # One CUDA context (llamem.overhead: 400 MiB with lazy module loading), one GPU.
+    assert data["non_torch_bytes"] == 400 * 2**20
+    # The fragmentation allowance is what the allocator simulator finds on the probes (tests/test_device.py);
+    # here only that the JSON carries its parts under their names.
+    assert data["fragmentation_bytes"] > 0

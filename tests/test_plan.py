@@ -53,13 +53,17 @@ def test_plan_command_reproduces_the_final_memory(capsys):
     again = json.loads(out)
     assert code == 0
     assert again["peak_allocated_bytes"] == plan["final"]["peak_allocated_bytes"]
+    assert again["device_bytes"] == plan["final"]["peak_device_bytes"]
+    for step in plan["steps"]:  # every figure of the ladder is its command's
+        code, out, _ = run(capsys, *step["command"].split()[1:], "--json")
+        assert code == 0 and json.loads(out)["device_bytes"] == step["peak_device_bytes"]
 
 
 def test_70b_full_training_does_not_fit_one_4090(capsys):
     code, out, err = run(capsys, "plan", "llama-2-70b", "--gpu", "rtx-4090", "--task", "train", "--json",
                          "--host-memory", "256GiB")
     data = json.loads(out)
-    assert code == 2 and not data["fits"]
+    assert code == 3 and not data["fits"]
     assert data["shortfall_bytes"] > 0
     assert "nothing fits" in err and "--min-gpus" in err
 
@@ -84,14 +88,14 @@ def test_min_gpus_finds_the_fewest(capsys):
     if fewer:
         code, _, _ = run(capsys, "plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--task", "train", "--gpus",
                          str(fewer), "--json")
-        assert code == 2
+        assert code == 3
 
 
 def test_budget_stands_for_any_card(capsys):
     code, out, _ = run(capsys, "plan", "llama-3.2-1b", "--budget", "22GiB", "--task", "infer", "--json")
     assert code == 0 and json.loads(out)["gpu"]["memory_bytes"] == 22 * GiB
     code, _, err = run(capsys, "plan", "llama-3.2-1b", "--task", "infer")
-    assert code == 1 and "--budget" in err
+    assert code == 2 and "--budget" in err
 
 
 def test_maximize_batch_is_the_edge(capsys):
@@ -101,14 +105,11 @@ def test_maximize_batch_is_the_edge(capsys):
     value = data["maximized"]["value"]
     assert code == 0 and value >= 1
     # one more does not fit with any configuration the planner knows (no accumulation allowed)
-    from llamem.plan import Planner
+    from llamem.plan import Space, best
 
-    planner = Planner(load_model("llama-3.2-1b"), get_gpu("l4"), host_budget_bytes=24 * GiB)
-    planner.fixed_micro_batch = True
-    workload = build_workload(task="lora", seq=1024)
-    assert planner.best(build_workload(task="lora", seq=1024, batch=value), 1)[0] is not None
-    assert planner.best(build_workload(task="lora", seq=1024, batch=value + 1), 1)[0] is None
-    assert workload.batch == 1
+    space = Space(spec=load_model("llama-3.2-1b"), gpu=get_gpu("l4"), host_budget_bytes=24 * GiB)
+    assert best(space, build_workload(task="lora", seq=1024, batch=value), 1, fixed_micro_batch=True).best
+    assert best(space, build_workload(task="lora", seq=1024, batch=value + 1), 1, fixed_micro_batch=True).best is None
 
 
 # Per-GPU memory held to DeepSpeed's and FSDP2's own numbers --------------------------------
@@ -171,7 +172,7 @@ def test_multi_gpu_plan_command_reproduces_per_gpu_memory(capsys):
 
 @pytest.mark.parametrize("args, fragment", [
     (["estimate", "llama-3.1-8b", "--gpus", "3", "--tp", "2"], "not a multiple"),
-    (["estimate", "llama-3.1-8b", "--offload", "optimizer"], "--sharding zero2"),
+    (["estimate", "llama-3.1-8b", "--offload", "optimizer"], "--sharding zero1, zero2 or zero3"),
     (["plan", "llama-3.1-8b", "--gpu", "h100", "--gpus", "0"], "at least 1"),
     (["estimate", "llama-3.1-8b", "--gpus", "8", "--tp", "3", "--pp", "1"], "not a multiple"),
     (["estimate", "llama-3.1-8b", "--pp-schedule", "gpipe"], "--pp N"),
@@ -209,12 +210,13 @@ def test_truncation_is_the_last_resort(capsys):
     more = build_workload(**{k: v for k, v in data["final"]["config"]["workload"].items()
                              if k in ("task", "batch", "new_tokens", "precision", "kv_dtype", "prefill_chunk")},
                           seq=kept + 1)
-    from llamem.plan import Planner
+    from llamem.plan import Space, best
 
-    planner = Planner(load_model("llama-3.1-8b"), get_gpu("rtx-4090"), host_budget_bytes=0, max_tier=0)
-    assert planner.best(more, 1)[0] is None or planner.best(more, 1)[0].workload.prefill_chunk != more.prefill_chunk
+    space = Space(spec=load_model("llama-3.1-8b"), gpu=get_gpu("rtx-4090"), host_budget_bytes=0, max_tier=0)
+    found = best(space, more, 1).best
+    assert found is None or found.workload.prefill_chunk != more.prefill_chunk
     code, _, err = run(capsys, *args, "--no-truncation")
-    assert code == 2 and "GiB over" in err
+    assert code == 3 and "GiB over" in err
 
 
 def test_training_splits_sequences_instead_of_dropping_tokens(capsys):
@@ -229,15 +231,14 @@ def test_training_splits_sequences_instead_of_dropping_tokens(capsys):
 
 
 def test_pipeline_micro_batches_are_the_accumulation_steps():
-    from llamem.plan import Planner
+    from llamem.plan import Space, candidates
 
-    spec, gpu = load_model("llama-2-70b"), get_gpu("h100-80gb")
-    planner = Planner(spec, gpu, host_budget_bytes=0)
+    space = Space(spec=load_model("llama-2-70b"), gpu=get_gpu("h100-80gb"), host_budget_bytes=0)
     workload = build_workload(task="train", batch=8, seq=4096, grad_accum=4)
-    piped = [c for c in planner.candidates(workload, 16) if c.layout.pp > 1]
+    piped = [c for c in candidates(space, workload, 16) if c.layout.pp > 1]
     assert piped and all(c.layout.microbatches == c.workload.grad_accum for c in piped)
-    # The global batch is kept: micro-batch x accumulation = 32 sequences per replica.
-    assert all(c.workload.batch * c.workload.grad_accum == 32 for c in piped)
+    # The global batch is kept: 32 sequences per step, shared by the data-parallel replicas.
+    assert all(c.workload.batch * c.workload.grad_accum * c.layout.dp == 32 for c in piped)
     # More micro-batches shrink the bubble: 32 micro-batches of 1 beat 4 of 8, per token.
     by_micro = {(dataclasses.replace(c.layout, microbatches=1), c.workload.batch): c for c in piped
                 if not c.workload.ac_every and c.workload.loss == "full"}

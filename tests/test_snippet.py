@@ -70,7 +70,8 @@ def test_lora_code_builds_the_planned_model_and_arguments(tiny_model, tmp_path, 
 def test_every_k_checkpointing_is_a_trainer_option(tiny_model, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     plan = _plan(dict(task="lora", batch=8, seq=4096), 0.6)
-    plan.final = dataclasses.replace(plan.final, workload=dataclasses.replace(plan.final.workload, ac_every=2))
+    plan = dataclasses.replace(plan, final=dataclasses.replace(
+        plan.final, workload=dataclasses.replace(plan.final.workload, ac_every=2)))
     done = _run(plan_code(plan, model_id=tiny_model), tiny_model)
     assert done["args"].activation_checkpointing_kwargs["every_n_layers"] == 2
 
@@ -87,7 +88,7 @@ def test_full_training_code_keeps_mixed_precision(tiny_model, tmp_path, monkeypa
 
 
 def test_generation_code_runs_chunked_prefill(tiny_model):
-    plan = _plan(dict(task="infer", batch=2, seq=2048, new_tokens=3), 0.435)
+    plan = _plan(dict(task="infer", batch=2, seq=2048, new_tokens=3), 0.44)
     w = plan.final.workload
     assert plan.fits and 0 < w.prefill_chunk < w.seq and w.quant == "none" and w.kv_dtype == "bf16"
     code = plan_code(plan, model_id=tiny_model)
@@ -116,5 +117,5 @@ def test_zero3_code_configures_deepspeed_before_loading(capsys):
 
 
 def test_no_code_for_a_plan_that_does_not_fit(capsys):
-    assert main(["plan", "llama-2-70b", "--gpu", "rtx-4090", "--task", "train", "--code"]) == 2
+    assert main(["plan", "llama-2-70b", "--gpu", "rtx-4090", "--task", "train", "--code"]) == 3
     assert "from_pretrained" not in capsys.readouterr().out

@@ -7,9 +7,11 @@ Per step on the busiest GPU:
   divided by the cards' dense bf16 FLOP/s at 40 % utilisation (a typical MFU for LLaMA
   training with transformers); QLoRA's dequantization adds 25 % to the base matmuls, int8
   inference 15 %;
-- inference: prefill like a forward; decode is memory-bound: weights plus KV cache read once
-  per new token at the card's memory bandwidth;
-- communication: data parallel all-reduce (DDP, ZeRO-1/2) moves 2·(n-1)/n of the gradients,
+- inference: prefill like a forward; decode is memory-bound: weights (in their stored dtype or
+  quantized format) plus the KV cache (in its dtype) read once per new token at the card's
+  memory bandwidth;
+- communication: data parallel all-reduce (DDP, ZeRO-1/2) moves 2·(n-1)/n of the gradients
+  (bf16; for LoRA only the adapters' fp32 gradients),
   ZeRO-3/FSDP adds two all-gathers of the bf16 weights; tensor parallel moves four
   activations per layer (2·(t-1)/t each); within a node at its interconnect, across nodes at
   50 GB/s per GPU (400 Gb/s InfiniBand NDR); no overlap with compute is assumed;
@@ -22,14 +24,24 @@ compute, stragglers, data loading. The figure ranks plans; it is not a wall-cloc
 
 from __future__ import annotations
 
+from llamem.analytic.weights import lora_tensor_sizes
+from llamem.dtypes import DTYPE_BYTES
 from llamem.gpus import GPU
 from llamem.model import ModelSpec
 from llamem.parallel import Layout
+from llamem.units import GB
 from llamem.workload import Workload
 
 MFU = 0.40
-INTER_NODE_BANDWIDTH = 50e9
-CPU_ADAM_BYTES_PER_S = 10e9
+"""Model FLOP utilisation of LLaMA training with transformers: a typical figure, not a measurement."""
+INTER_NODE_BANDWIDTH = 50 * GB
+"""Bytes per second per GPU across nodes: 400 Gb/s InfiniBand NDR."""
+CPU_ADAM_BYTES_PER_S = 10 * GB
+"""DeepSpeed's CPU Adam: optimizer state streamed at about 10 GB/s."""
+QLORA_DEQUANT_COST = 0.25
+"""QLoRA dequantizes every base weight for each matmul: assumed 25 % more compute."""
+QUANTIZED_DECODE_COST = 0.15
+"""Quantized weights dequantize during decode: assumed 15 % slower than their bytes alone."""
 
 
 def step_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
@@ -43,7 +55,7 @@ def step_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> floa
     if w.ac_every:
         flops += tokens * 2 * N / w.ac_every
     if w.task == "qlora":
-        flops *= 1.25
+        flops *= 1 + QLORA_DEQUANT_COST
     compute = flops / (gpu.bf16_flops * MFU * layout.num_gpus)
     if layout.pp > 1:
         m = max(layout.microbatches, 1)
@@ -59,11 +71,10 @@ def _communication(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> fl
     seconds = 0.0
     n, t = layout.dp, layout.tp
     trainable = spec.num_params / (t * layout.pp)
-    if w.uses_adapters:
-        trainable = trainable * 0.01
     if n > 1:
         bw = _bandwidth(layout, gpu, n * t)
-        grad_bytes = 2 * trainable
+        # LoRA all-reduces only the adapters' gradients (fp32, as peft keeps them).
+        grad_bytes = sum(lora_tensor_sizes(spec, w)) / (t * layout.pp) if w.uses_adapters else 2 * trainable
         seconds += 2 * (n - 1) / n * grad_bytes / bw
         if layout.sharding == "zero3":
             seconds += 2 * (n - 1) / n * 2 * spec.num_params / (t * layout.pp) / bw
@@ -86,9 +97,10 @@ def _offload(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
 
 def _inference_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
     prefill = w.batch * w.seq * 2 * spec.num_params / (gpu.bf16_flops * MFU * layout.num_gpus)
-    weight_bytes = spec.num_params * {"none": 2, "int8": 1, "nf4": 0.5, "int4": 0.5}[w.quant]
-    kv = spec.kv_bytes_per_token(2) * w.batch * (w.seq + w.new_tokens / 2)
+    weight_dtype = w.quant if w.quant != "none" else w.weight_dtype
+    weight_bytes = spec.num_params * DTYPE_BYTES[weight_dtype]
+    kv = spec.kv_bytes_per_token(DTYPE_BYTES[w.kv_dtype]) * w.batch * (w.seq + w.new_tokens / 2)
     decode = w.new_tokens * (weight_bytes + kv) / (gpu.memory_bandwidth * layout.num_gpus)
     if w.quant != "none":
-        decode *= 1.15
+        decode *= 1 + QUANTIZED_DECODE_COST
     return prefill + decode + _communication(spec, w, layout, gpu) * w.new_tokens

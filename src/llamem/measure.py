@@ -80,10 +80,10 @@ def measure(spec: ModelSpec, workload: Workload) -> dict:
         for param in model.parameters():
             param.normal_(0.0, 0.02)
     if workload.is_training:
-        optimizer = runner._make_optimizer(model, workload, [])
-        runner._train(model, None, optimizer, workload, spec, meter, device="cuda")
+        optimizer = runner.make_optimizer(model, workload, [])
+        runner.train_steps(model, None, optimizer, workload, spec, meter, device="cuda")
     else:
-        runner._infer(model, workload, spec, meter, device="cuda")
+        runner.generate_steps(model, workload, spec, meter, device="cuda")
     meter.close_phase()
     nvml_peak = nvml_used_bytes()
     result = {

@@ -15,7 +15,7 @@ inside reserved memory, not here. Values to be replaced by measurements from
 
 from __future__ import annotations
 
-MiB = 2**20
+from llamem.units import MiB
 
 CUDA_CONTEXT_LAZY_BYTES = 400 * MiB
 CUDA_CONTEXT_EAGER_BYTES = 1000 * MiB

@@ -10,10 +10,12 @@ tests): with bf16 mixed precision
   AdamW state 16P/N;
 - ZeRO-2: 2P + 18P/N (2 bf16 grads + 4 fp32 grads + 4 fp32 master + 8 AdamW, sharded);
 - ZeRO-3 / FSDP: 18P/N + 4 x the largest layer (gathered bf16 weights and gradients);
-- optimizer offload: ZeRO-2 keeps 2P, ZeRO-3 keeps 4 x largest layer + 2P/N; parameter
-  offload (ZeRO-3) keeps 4 x largest layer. The host then holds 18P/N per GPU (x1.5
-  buffers, DeepSpeed's additional_buffer_factor).
-Frozen weights (LoRA/QLoRA, inference) are replicated, or sharded by ZeRO-3.
+- optimizer offload: ZeRO-1 and ZeRO-2 keep 2P (DeepSpeed's stage-1/2 estimator: one formula
+  for both stages), ZeRO-3 keeps 4 x largest layer + 2P/N; parameter offload (ZeRO-3) keeps
+  4 x largest layer. The host holds, per node, what DeepSpeed's estimators say (x1.5 buffers,
+  its additional_buffer_factor): ZeRO-1/2 max(4N, 16) P, ZeRO-3 16 P (18 P with parameters).
+Frozen weights (LoRA/QLoRA, inference, a distillation teacher) are replicated, or sharded by
+ZeRO-3; tensor and pipeline parallelism split a teacher like the student.
 
 Tensor parallel t divides heads, KV heads, the MLP width and the vocabulary by t
 (Megatron-style column/row splits, vocabulary-parallel loss); norms and the residual stream
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from llamem.analytic import estimate
+from llamem.errors import InvalidWorkload
 from llamem.model import ModelSpec
 from llamem.workload import Workload
 
@@ -98,8 +101,35 @@ def check_layout(spec: ModelSpec, layout: Layout) -> list[str]:
     if layout.offload == "optimizer+params" and layout.sharding != "zero3":
         problems.append("parameter offload needs ZeRO-3 / FSDP: use --sharding zero3")
     if layout.offload != "none" and layout.sharding not in ("zero2", "zero3", "zero1"):
-        problems.append("optimizer offload needs ZeRO (DeepSpeed ZeRO-Offload): add --sharding zero2 or zero3")
+        problems.append("optimizer offload needs ZeRO (DeepSpeed ZeRO-Offload): add --sharding zero1, zero2 or zero3")
     return problems
+
+
+def make_layout(spec: ModelSpec, w: Workload, *, gpus: int = 1, tp: int = 1, pp: int = 1, sharding: str | None = None,
+                offload: str = "none", pp_schedule: str = "1f1b") -> Layout:
+    """The layout of `llamem estimate --gpus/--tp/--pp/--sharding/--offload`, checked; every problem is
+    reported at once, each with the flag to change."""
+    if min(gpus, tp, pp) < 1:
+        raise InvalidWorkload(["--gpus, --tp and --pp must be at least 1"])
+    problems = []
+    if gpus % (tp * pp):
+        problems.append(f"--gpus {gpus} is not a multiple of --tp {tp} x --pp {pp}")
+    if pp_schedule != "1f1b" and pp == 1:
+        problems.append(f"--pp-schedule {pp_schedule} needs pipeline parallelism: add --pp N (N > 1)")
+    if sharding in ("zero1", "zero2") and not w.is_training:
+        problems.append(f"--sharding {sharding} shards gradients and optimizer state, which generation does not "
+                        "have: use --sharding zero3 (frozen weights sharded), ddp (replicas) or none")
+    if problems:
+        raise InvalidWorkload(problems)
+    dp = gpus // (tp * pp)
+    sharding = sharding or ("ddp" if dp > 1 else "none")
+    # Under pipeline parallelism the accumulation steps are the pipeline's micro-batches.
+    layout = Layout(dp=dp, tp=tp, pp=pp, sharding=sharding, offload=offload, pipeline_schedule=pp_schedule,
+                    microbatches=w.grad_accum if pp > 1 else 1)
+    problems = check_layout(spec, layout)
+    if problems:
+        raise InvalidWorkload(problems)
+    return layout
 
 
 def fsdp_shard_bytes(spec: ModelSpec, bytes_per_element: int, world: int) -> int:
@@ -121,11 +151,11 @@ def model_state_bytes(spec: ModelSpec, w: Workload, layout: Layout, trainable: i
     (DeepSpeed's accounting), with `trainable` parameters on this GPU before data parallelism."""
     n, P = layout.dp, trainable
     largest = 4 * largest_layer_params(spec)
+    if layout.sharding in ("zero1", "zero2") and layout.offload == "optimizer":
+        return {"weights": 2 * P}
     if layout.sharding == "zero1":
         return {"weights": 2 * P, "gradients": 2 * P, "optimizer": 16 * P // n}
     if layout.sharding == "zero2":
-        if layout.offload == "optimizer":
-            return {"weights": 2 * P}
         return {"weights": 2 * P, "gradients": 2 * P // n + 4 * P // n, "optimizer": 12 * P // n}
     if layout.offload == "optimizer+params":
         return {"weights": largest}
@@ -135,18 +165,32 @@ def model_state_bytes(spec: ModelSpec, w: Workload, layout: Layout, trainable: i
 
 
 def host_bytes(layout: Layout, trainable: int, gpus_on_host: int) -> int:
-    """CPU memory that offloading needs on one host (DeepSpeed's estimate with its 1.5 buffer)."""
+    """CPU memory that offloading needs on one host: DeepSpeed's estimators
+    (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs` with zero_init),
+    as each GPU's share of its node's figure, with their additional_buffer_factor of 1.5."""
     if layout.offload == "none":
         return 0
-    per_gpu = 18 * trainable // layout.dp
+    if layout.sharding in ("zero1", "zero2"):
+        per_gpu = max(4 * layout.dp, 16) * trainable / layout.dp
+    else:
+        per_gpu = (18 if layout.offload == "optimizer+params" else 16) * trainable / layout.dp
     return int(per_gpu * gpus_on_host * HOST_BUFFER_FACTOR)
 
 
 def per_gpu_phases(spec: ModelSpec, w: Workload, layout: Layout,
                    teacher: ModelSpec | None = None) -> dict[str, dict[str, int]]:
-    """Phase breakdowns for the busiest GPU of the layout."""
+    """Phase breakdowns for the busiest GPU of the layout. A teacher is split by tensor and pipeline
+    parallelism like the student (its vocabulary is checked before either is split)."""
+    check_teacher(spec, teacher)
     local = shard_spec(spec, layout)
-    return apply_data_parallel(local_phases(local, w, layout, teacher), local, w, layout)
+    local_teacher = shard_spec(teacher, layout) if teacher is not None else None
+    return apply_data_parallel(local_phases(local, w, layout, local_teacher), local, w, layout, local_teacher)
+
+
+def check_teacher(spec: ModelSpec, teacher: ModelSpec | None) -> None:
+    from llamem.analytic.engine import check_teacher as check
+
+    check(spec, teacher)
 
 
 def local_phases(local: ModelSpec, w: Workload, layout: Layout,
@@ -162,9 +206,15 @@ def local_phases(local: ModelSpec, w: Workload, layout: Layout,
 
 
 def apply_data_parallel(phases: dict[str, dict[str, int]], local: ModelSpec, w: Workload,
-                        layout: Layout) -> dict[str, dict[str, int]]:
+                        layout: Layout, teacher: ModelSpec | None = None) -> dict[str, dict[str, int]]:
     """Replace model states by their data-parallel (ZeRO / DDP) form; returns new dicts."""
     phases = {name: dict(b) for name, b in phases.items()}
+    if layout.sharding == "zero3" and teacher is not None:
+        # ZeRO-3 shards the frozen teacher like any other module: a shard plus its gathered largest layer.
+        for breakdown in phases.values():
+            if "weights/teacher" in breakdown:
+                breakdown["weights/teacher"] = (breakdown["weights/teacher"] // layout.dp
+                                                + 2 * 2 * largest_layer_params(teacher))
     if w.is_training and layout.sharding in ("zero1", "zero2", "zero3") and w.task in ("train", "distill"):
         states = model_state_bytes(local, w, layout, local.num_params)
         for name, breakdown in phases.items():

@@ -91,23 +91,34 @@ PRESETS: dict[str, tuple[str, str, dict[str, Any]]] = {
                    **_dims(256, 688, 4, 4, 2))),
 }
 
-# Other spellings people type, mapped to a preset.
+# Spellings the normalising rule in model.py cannot derive. That rule already accepts any case, the
+# organisation prefix or none ('Llama-3.1-8B'), '-hf', 'Meta-Llama-3' for 'llama-3', 'llama2' for
+# 'llama-2', and '-Instruct' / '-chat' for the presets in SAME_SHAPE_FINETUNES.
 ALIASES: dict[str, str] = {
-    "llama-30b": "llama-33b",
-    "llama-3.3-70b-instruct": "llama-3.3-70b",
-    "mistral-7b": "mistral-7b-v0.1",
+    "mistral-7b": "mistral-7b-v0.1",  # the first 7B release; v0.2 and v0.3 have other configs
     "tinyllama": "tinyllama-1.1b",
+    # https://huggingface.co/TinyLlama/TinyLlama-1.1B-Chat-v1.0/blob/main/config.json: the same shapes as
+    # the 1431k-3T base (2048 / 5632, 22 layers, 32 heads, 4 KV heads, vocab 32000)
     "TinyLlama/TinyLlama-1.1B-Chat-v1.0": "tinyllama-1.1b",
-    "meta-llama/Llama-2-7b-chat-hf": "llama-2-7b",
-    "meta-llama/Llama-2-13b-chat-hf": "llama-2-13b",
-    "meta-llama/Llama-2-70b-chat-hf": "llama-2-70b",
-    "meta-llama/Meta-Llama-3-8B-Instruct": "llama-3-8b",
-    "meta-llama/Meta-Llama-3-70B-Instruct": "llama-3-70b",
-    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
-    "meta-llama/Meta-Llama-3.1-8B": "llama-3.1-8b",
-    "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
-    "meta-llama/Llama-3.1-405B-Instruct": "llama-3.1-405b",
-    "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
-    "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
-    "mistralai/Mistral-7B-Instruct-v0.1": "mistral-7b-v0.1",
+}
+
+# Presets whose chat / instruct fine-tunes have the same config.json shapes (only the weights differ),
+# so 'meta-llama/Llama-2-7b-chat-hf' or 'llama-3.1-8b-instruct' resolve to them. Each cites the
+# fine-tune's config.json it relies on. Not listed, so not resolved: Code Llama's -Instruct models (their
+# configs were not compared) and Mistral-7B-Instruct v0.2 / v0.3, which are other models to llamem (no
+# sliding window; v0.3 a larger vocabulary): their normalised names are not presets.
+SAME_SHAPE_FINETUNES: dict[str, str] = {
+    "llama-2-7b": "https://huggingface.co/meta-llama/Llama-2-7b-chat-hf/blob/main/config.json",
+    "llama-2-13b": "https://huggingface.co/meta-llama/Llama-2-13b-chat-hf/blob/main/config.json",
+    "llama-2-70b": "https://huggingface.co/meta-llama/Llama-2-70b-chat-hf/blob/main/config.json",
+    "llama-3-8b": "https://huggingface.co/meta-llama/Meta-Llama-3-8B-Instruct/blob/main/config.json",
+    "llama-3-70b": "https://huggingface.co/meta-llama/Meta-Llama-3-70B-Instruct/blob/main/config.json",
+    "llama-3.1-8b": "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct/blob/main/config.json",
+    "llama-3.1-70b": "https://huggingface.co/meta-llama/Llama-3.1-70B-Instruct/blob/main/config.json",
+    "llama-3.1-405b": "https://huggingface.co/meta-llama/Llama-3.1-405B-Instruct/blob/main/config.json",
+    "llama-3.2-1b": "https://huggingface.co/meta-llama/Llama-3.2-1B-Instruct/blob/main/config.json",
+    "llama-3.2-3b": "https://huggingface.co/meta-llama/Llama-3.2-3B-Instruct/blob/main/config.json",
+    # The preset is the instruct model itself (there is no base 3.3 release), so 'Llama-3.3-70B' resolves too.
+    "llama-3.3-70b": "https://huggingface.co/meta-llama/Llama-3.3-70B-Instruct/blob/main/config.json",
+    "mistral-7b-v0.1": "https://huggingface.co/mistralai/Mistral-7B-Instruct-v0.1/blob/main/config.json",
 }

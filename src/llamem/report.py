@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from llamem.device import DeviceMemory
 from llamem.model import ModelSpec
 from llamem.workload import Workload
 
@@ -33,10 +34,10 @@ class MemoryReport:
     """phase -> category -> bytes at that phase's peak moment."""
     notes: tuple[str, ...] = ()
     """What was approximated, emulated or assumed; never silent."""
-    peak_reserved_bytes: int | None = None
-    """What the caching allocator holds at the peak (allocator simulator), if computed."""
-    non_torch_bytes: int | None = None
-    """CUDA context, cuBLAS workspace, NCCL buffers: memory outside the allocator."""
+    device: DeviceMemory | None = None
+    """What the card must hold (`llamem.device`): allocated + fragmentation + non-torch, if computed."""
+    layout: str = "1 GPU"
+    """Which GPU the figures are for (the busiest one of a parallel layout)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -70,10 +71,16 @@ class MemoryReport:
         return self.phase_total_bytes(self.peak_phase)
 
     @property
+    def peak_reserved_bytes(self) -> int | None:
+        return None if self.device is None else self.device.peak_reserved_bytes
+
+    @property
+    def non_torch_bytes(self) -> int | None:
+        return None if self.device is None else self.device.non_torch_bytes
+
+    @property
     def device_bytes(self) -> int | None:
-        if self.peak_reserved_bytes is None or self.non_torch_bytes is None:
-            return None
-        return self.peak_reserved_bytes + self.non_torch_bytes
+        return None if self.device is None else self.device.device_bytes
 
     def top_category(self) -> tuple[str, int]:
         totals: dict[str, int] = {}

@@ -57,6 +57,24 @@ def format_gib(num_bytes: int, digits: int = 2) -> str:
     return f"{num_bytes / GiB:.{digits}f} GiB"
 
 
+def display_unit(largest_bytes: int) -> tuple[str, int]:
+    """The unit a report prints all its sizes in: GiB from 1 GiB up, MiB below (a tiny model's
+    figures would all read 0.00 GiB)."""
+    return ("GiB", GiB) if largest_bytes >= GiB else ("MiB", MiB)
+
+
+def format_in(num_bytes: int, unit: tuple[str, int], digits: int = 2) -> str:
+    return f"{num_bytes / unit[1]:.{digits}f} {unit[0]}"
+
+
+def format_count(count: int) -> str:
+    """1_235_814_400 -> '1.24 B'; 12_345_678 -> '12.35 M' (parameter counts, decimal as people say them)."""
+    for suffix, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if count >= scale:
+            return f"{count / scale:.2f} {suffix}"
+    return str(count)
+
+
 def format_bytes(num_bytes: int) -> str:
     """Human-readable size in binary units, for small quantities too."""
     size = abs(num_bytes)

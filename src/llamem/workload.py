@@ -25,10 +25,15 @@ Attention = Literal["sdpa", "eager"]
 KVDType = Literal["bf16", "fp16", "fp32", "fp8", "int8", "int4"]
 Loss = Literal["full", "chunked"]
 
+ALL_TASKS = ("infer", "train", "lora", "qlora", "distill")
 TRAINING_TASKS = ("train", "lora", "qlora", "distill")
 ADAPTER_TASKS = ("lora", "qlora")
 LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_TARGETS_DEFAULT = ("q_proj", "v_proj")
+MAX_PREFILL_CHUNKS = 512
+"""A prompt is sized in at most 512 prefill chunks. Each chunk is a forward over every weight, so
+smaller chunks only slow generation down (at 512 chunks the weights are read 512 times before the
+first token); and the allocation schedule llamem replays grows with the number of chunks."""
 LOSS_CHUNKS = 8
 """Chunks of the sequence in `--loss chunked` (torchtune's CEWithChunkedOutputLoss uses 8)."""
 
@@ -66,6 +71,8 @@ class Workload:
     `GenerationConfig.prefill_chunk_size`: the same outputs, smaller prefill temporaries."""
     teacher: str | None = None
     """Teacher model (distill only): a preset name or Hugging Face id."""
+    teacher_quant: Quant = "none"
+    """The frozen teacher's weight quantization (distill only): int8, nf4 or int4 weights as for the base."""
     _mixed: bool = field(default=False, init=False, repr=False, compare=False)
     _compute: str = field(default="", init=False, repr=False, compare=False)
 
@@ -106,7 +113,12 @@ class Workload:
 
     @property
     def ac_label(self) -> str:
-        return {0: "none", 1: "full"}.get(self.ac_every, f"every-{self.ac_every}")
+        return ac_label(self.ac_every)
+
+
+def ac_label(ac_every: int) -> str:
+    """0 -> 'none', 1 -> 'full', K -> 'every-K': the spelling `--ac` takes."""
+    return {0: "none", 1: "full"}.get(ac_every, f"every-{ac_every}")
 
 
 def _check_choice(problems: list[str], flag: str, value, literal) -> None:
@@ -120,6 +132,7 @@ def _value_problems(w: Workload) -> list[str]:
     _check_choice(problems, "--task", w.task, Task)
     _check_choice(problems, "--precision", w.precision, Precision)
     _check_choice(problems, "--quant", w.quant, Quant)
+    _check_choice(problems, "--teacher-quant", w.teacher_quant, Quant)
     _check_choice(problems, "--optimizer", w.optimizer, Optimizer)
     _check_choice(problems, "--attn", w.attn, Attention)
     _check_choice(problems, "--kv-dtype", w.kv_dtype, KVDType)
@@ -133,6 +146,9 @@ def _value_problems(w: Workload) -> list[str]:
     if bad_targets or not w.lora_targets:
         problems.append(f"--lora-targets {','.join(w.lora_targets)!r}: choose from {','.join(LORA_TARGETS_ALL)} "
                         "(or 'all')")
+    repeated = sorted({t for t in w.lora_targets if w.lora_targets.count(t) > 1})
+    if repeated:
+        problems.append(f"--lora-targets names {', '.join(repeated)} more than once: list each linear once")
     if w.task == "train" and w.quant != "none":
         problems.append(f"full fine-tuning cannot update {w.quant} weights: use --task qlora, or --quant none")
     if w.task == "lora" and w.quant != "none":
@@ -143,8 +159,15 @@ def _value_problems(w: Workload) -> list[str]:
         problems.append("distill needs a teacher: add --teacher MODEL (for example --teacher llama-3.1-70b)")
     if w.task != "distill" and w.teacher:
         problems.append("--teacher only applies to --task distill")
+    if w.task != "distill" and w.teacher_quant != "none":
+        problems.append("--teacher-quant only applies to --task distill")
     if w.task != "infer" and w.prefill_chunk:
         problems.append("--prefill-chunk only applies to --task infer")
+    if w.prefill_chunk > 0 and -(-w.seq // w.prefill_chunk) > MAX_PREFILL_CHUNKS:
+        smallest = -(-w.seq // MAX_PREFILL_CHUNKS)
+        problems.append(f"--prefill-chunk {w.prefill_chunk} splits the {w.seq}-token prompt into "
+                        f"{-(-w.seq // w.prefill_chunk)} forwards, each reading every weight; llamem sizes at most "
+                        f"{MAX_PREFILL_CHUNKS}: use --prefill-chunk {smallest} or more (512 to 8192 is usual)")
     if w.task == "infer" and w.precision.endswith("-mixed"):
         problems.append(f"inference has no master weights: use --precision {w.precision.removesuffix('-mixed')}")
     if w.task == "qlora" and w.precision.endswith("-mixed"):
@@ -172,17 +195,16 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
-_TASK_ONLY = {
-    "new_tokens": (("infer",), "--new-tokens"),
-    "kv_dtype": (("infer",), "--kv-dtype"),
-    "optimizer": (TRAINING_TASKS, "--optimizer"),
-    "ac_every": (TRAINING_TASKS, "--ac"),
-    "grad_accum": (TRAINING_TASKS, "--grad-accum"),
-    "loss": (TRAINING_TASKS, "--loss"),
-    "prefill_chunk": (("infer",), "--prefill-chunk"),
-    "lora_rank": (ADAPTER_TASKS, "--lora-rank"),
-    "lora_targets": (ADAPTER_TASKS, "--lora-targets"),
+FIELD_TASKS: dict[str, tuple[str, ...]] = {
+    "task": ALL_TASKS, "batch": ALL_TASKS, "seq": ALL_TASKS, "precision": ALL_TASKS, "quant": ALL_TASKS,
+    "attn": ALL_TASKS,
+    "new_tokens": ("infer",), "kv_dtype": ("infer",), "prefill_chunk": ("infer",),
+    "optimizer": TRAINING_TASKS, "ac_every": TRAINING_TASKS, "grad_accum": TRAINING_TASKS, "loss": TRAINING_TASKS,
+    "lora_rank": ADAPTER_TASKS, "lora_targets": ADAPTER_TASKS,
+    "teacher": ("distill",), "teacher_quant": ("distill",),
 }
+"""The tasks each Workload field applies to: a setting given for another task is refused, not ignored."""
+_FLAGS = {"ac_every": "--ac"}
 
 
 def task_defaults(task: str) -> dict:
@@ -200,8 +222,9 @@ def build_workload(task: str = "train", **given) -> Workload:
     would silently ignore are refused, all at once."""
     given = {k: v for k, v in given.items() if v is not None}
     problems = []
-    for key, (tasks, flag) in _TASK_ONLY.items():
-        if key in given and task not in tasks:
+    for key, tasks in FIELD_TASKS.items():
+        if key in given and task not in tasks and key not in ("teacher", "teacher_quant"):
+            flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
             problems.append(f"{flag} only applies to --task {' / '.join(tasks)}, not {task}")
     if problems:
         raise InvalidWorkload(problems)

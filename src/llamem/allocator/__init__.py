@@ -5,6 +5,7 @@ out-of-memory error itself, from a sequence of allocations and frees.
 """
 
 from llamem.allocator.config import AllocatorConfig, AllocatorConfigError, parse_alloc_conf
-from llamem.allocator.simulator import CachingAllocatorSim, SimulatedOOM
+from llamem.allocator.simulator import CachingAllocatorSim, SimulatedOOM, check_simulated
 
-__all__ = ["AllocatorConfig", "AllocatorConfigError", "parse_alloc_conf", "CachingAllocatorSim", "SimulatedOOM"]
+__all__ = ["AllocatorConfig", "AllocatorConfigError", "parse_alloc_conf", "CachingAllocatorSim", "SimulatedOOM",
+           "check_simulated"]

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llamem.errors import LlamemError
+from llamem.units import MiB
 
-MB = 1024 * 1024
-LARGE_BUFFER = 20 * MB
+LARGE_BUFFER = 20 * MiB  # kLargeBuffer
 ROUNDUP_INTERVALS = 16
 SIZE_MAX = 2**64 - 1
 
@@ -145,6 +145,80 @@ def _parse_divisions(tokens: _Tokens, i: int, divisions: list[int]) -> int:
     return i
 
 
+_MIB_KEYS = {"max_split_size_mb": "max_split_size_bytes", "max_non_split_rounding_mb": "max_non_split_rounding_bytes",
+             "large_segment_size_mb": "large_segment_bytes"}
+BACKENDS = ("native", "cudaMallocAsync", "hipMallocAsync")
+
+
+def _parse_mib(tokens: _Tokens, i: int, key: str, settings: dict) -> int:
+    tokens.expect(i + 1, ":")
+    value = tokens.size_t(i + 2)
+    minimum_mib = LARGE_BUFFER // MiB
+    if key != "large_segment_size_mb" and value < minimum_mib:
+        raise AllocatorConfigError(f"CachingAllocator option {key} too small, must be >= {minimum_mib}")
+    settings[_MIB_KEYS[key]] = min(value, SIZE_MAX // MiB) * MiB
+    return i + 2
+
+
+def _parse_float(tokens: _Tokens, i: int) -> float:
+    tokens.expect(i + 1, ":")
+    try:
+        return float(tokens.at(i + 2))
+    except ValueError:
+        raise AllocatorConfigError(f"stod: {tokens.at(i + 2)!r} is not a number") from None
+
+
+def _parse_gc_threshold(tokens: _Tokens, i: int, settings: dict) -> int:
+    value = _parse_float(tokens, i)
+    if not 0 < value < 1:
+        raise AllocatorConfigError("garbage_collect_threshold is invalid, set it in (0.0, 1.0)")
+    settings["garbage_collection_threshold"] = value
+    return i + 2
+
+
+def _parse_fraction(tokens: _Tokens, i: int, settings: dict) -> int:
+    value = _parse_float(tokens, i)
+    if not 0 <= value <= 1:
+        raise AllocatorConfigError("per_process_memory_fraction is invalid, set it in [0.0, 1.0]")
+    settings["per_process_memory_fraction"] = value
+    return i + 2
+
+
+def _parse_expandable(tokens: _Tokens, i: int, settings: dict) -> int:
+    tokens.expect(i + 1, ":")
+    settings["expandable_segments"] = tokens.boolean(i + 2)
+    return i + 2
+
+
+def _parse_backend(tokens: _Tokens, i: int, settings: dict) -> int:
+    # torch accepts cudaMallocAsync here; the simulator refuses it later (simulator.check_simulated).
+    tokens.expect(i + 1, ":")
+    value = tokens.at(i + 2)
+    if value not in BACKENDS:
+        raise AllocatorConfigError("Unknown allocator backend, options are native, cudaMallocAsync, "
+                                   "and hipMallocAsync")
+    settings["backend"] = value
+    return i + 2
+
+
+_PARSERS = {"garbage_collection_threshold": _parse_gc_threshold, "per_process_memory_fraction": _parse_fraction,
+            "expandable_segments": _parse_expandable, "backend": _parse_backend}
+
+
+def _parse_key(tokens: _Tokens, i: int, settings: dict, divisions: list[int]) -> int:
+    """Parse the `key:value` at token i; returns the index of its last token."""
+    key = tokens.at(i)
+    if key in _MIB_KEYS:
+        return _parse_mib(tokens, i, key, settings)
+    if key == "roundup_power2_divisions":
+        return _parse_divisions(tokens, i, divisions)
+    if key in _PARSERS:
+        return _PARSERS[key](tokens, i, settings)
+    if key in _OTHER_KEYS:
+        return tokens.skip_value(i)
+    raise AllocatorConfigError(f"Unrecognized key '{key}' in Accelerator allocator config.")
+
+
 def parse_alloc_conf(text: str | None) -> AllocatorConfig:
     """`'expandable_segments:True,max_split_size_mb:128'` -> AllocatorConfig, or torch's error."""
     if not text:
@@ -154,51 +228,7 @@ def parse_alloc_conf(text: str | None) -> AllocatorConfig:
     divisions = [0] * ROUNDUP_INTERVALS
     i = 0
     while i < len(tokens):
-        key = tokens.at(i)
-        if key in ("max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb"):
-            tokens.expect(i + 1, ":")
-            value = tokens.size_t(i + 2)
-            if key != "large_segment_size_mb" and value < LARGE_BUFFER // MB:
-                raise AllocatorConfigError(f"CachingAllocator option {key} too small, must be >= {LARGE_BUFFER // MB}")
-            name = {"max_split_size_mb": "max_split_size_bytes", "max_non_split_rounding_mb":
-                    "max_non_split_rounding_bytes", "large_segment_size_mb": "large_segment_bytes"}[key]
-            settings[name] = min(value, SIZE_MAX // MB) * MB
-            i += 2
-        elif key == "garbage_collection_threshold":
-            tokens.expect(i + 1, ":")
-            try:
-                value = float(tokens.at(i + 2))
-            except ValueError:
-                raise AllocatorConfigError(f"stod: {tokens.at(i + 2)!r} is not a number") from None
-            if not 0 < value < 1:
-                raise AllocatorConfigError("garbage_collect_threshold is invalid, set it in (0.0, 1.0)")
-            settings["garbage_collection_threshold"] = value
-            i += 2
-        elif key == "roundup_power2_divisions":
-            i = _parse_divisions(tokens, i, divisions)
-        elif key == "expandable_segments":
-            tokens.expect(i + 1, ":")
-            settings["expandable_segments"] = tokens.boolean(i + 2)
-            i += 2
-        elif key == "backend":
-            tokens.expect(i + 1, ":")
-            value = tokens.at(i + 2)
-            if value not in ("native", "cudaMallocAsync", "hipMallocAsync"):
-                raise AllocatorConfigError("Unknown allocator backend, options are native, cudaMallocAsync, "
-                                           "and hipMallocAsync")
-            settings["backend"] = value
-            i += 2
-        elif key == "per_process_memory_fraction":
-            tokens.expect(i + 1, ":")
-            value = float(tokens.at(i + 2))
-            if not 0 <= value <= 1:
-                raise AllocatorConfigError("per_process_memory_fraction is invalid, set it in [0.0, 1.0]")
-            settings["per_process_memory_fraction"] = value
-            i += 2
-        elif key in _OTHER_KEYS:
-            i = tokens.skip_value(i)
-        else:
-            raise AllocatorConfigError(f"Unrecognized key '{key}' in Accelerator allocator config.")
+        i = _parse_key(tokens, i, settings, divisions)
         if i + 1 < len(tokens):
             tokens.expect(i + 1, ",")
             i += 1

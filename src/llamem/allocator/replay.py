@@ -1,90 +1,37 @@
 """Replay an allocation trace through the simulator: peak reserved, fragmentation, the OOM.
 
-Inputs, all read without torch:
-- JSON in the structure of a torch snapshot's `device_traces`
-  (`{"device_traces": [[{"action": "alloc", "addr": 1, "size": 1000, "stream": 0}, ...]]}`);
-- a pickled snapshot from `torch.cuda.memory._dump_snapshot`, loaded with an unpickler that
-  refuses every global (a snapshot holds only dicts, lists, strings and numbers, so nothing
-  legitimate is lost, and a crafted pickle cannot run code);
-- an event trace from `llamem trace --save-trace`.
+Reading the input lives in trace_input.py (pickle, JSON or a llamem trace, checked entry by
+entry) and window.py (a snapshot whose trace starts late: the state at its first entry,
+rebuilt from the segments; the capacity at a final out-of-memory error); restore.py puts
+that state into the simulator. The readers are re-exported here.
 """
 
 from __future__ import annotations
 
-import io
-import json
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from llamem.allocator.config import AllocatorConfig
-from llamem.allocator.simulator import CachingAllocatorSim, SimulatedOOM
-from llamem.errors import LlamemError
+from llamem.allocator.restore import resolve_start, restore_start
+from llamem.allocator.simulator import Block, CachingAllocatorSim, SimulatedOOM
+from llamem.allocator.trace_input import AllocEvent, TraceFormatError
+from llamem.allocator.window import LoadedTrace, StartState, load_trace, trace_from_data
 
+MAX_EVENT_WARNINGS = 10
 
-class TraceFormatError(LlamemError):
-    """A file replay cannot read."""
-
-
-@dataclass(frozen=True)
-class AllocEvent:
-    action: str  # "alloc" | "free"
-    addr: int
-    size: int
-    stream: int = 0
-
-
-class _NoGlobalsUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        raise TraceFormatError(f"refusing to load {module}.{name} from a pickle: a memory snapshot holds only "
-                               "plain data, and this file asks to import code; it was not loaded")
+__all__ = ["AllocEvent", "LoadedTrace", "ReplayResult", "TraceFormatError", "events_from_data", "load_events",
+           "load_trace", "peak_allocated_bytes", "replay", "replay_trace", "runs_on_card", "smallest_card",
+           "trace_from_data"]
 
 
 def load_events(path: str | Path) -> list[AllocEvent]:
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise TraceFormatError(f"{path}: no such file") from None
-    if raw[:1] == b"\x80":  # pickle protocol 2+
-        try:
-            data = _NoGlobalsUnpickler(io.BytesIO(raw)).load()
-        except TraceFormatError:
-            raise
-        except Exception as err:
-            raise TraceFormatError(f"{path}: not a readable pickle ({err})") from None
-    else:
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise TraceFormatError(f"{path}: neither JSON nor a pickled snapshot ({err})") from None
-    return events_from_data(data, str(path))
+    """The allocations and frees of a file. Without the memory live before its first entry:
+    `load_trace` and `replay_trace` keep that too."""
+    return load_trace(path).events
 
 
 def events_from_data(data, label: str = "trace") -> list[AllocEvent]:
-    if isinstance(data, dict) and data.get("format") == "llamem-trace-v1":
-        return [AllocEvent(e["action"], int(e["addr"]), int(e.get("nbytes", e["size"]))) for e in data["events"]]
-    if not isinstance(data, dict) or "device_traces" not in data:
-        raise TraceFormatError(f"{label}: expected a snapshot with 'device_traces' or a llamem trace "
-                               "(from `llamem trace --save-trace`)")
-    traces = [t for t in data["device_traces"] if t]
-    if len(traces) > 1:
-        raise TraceFormatError(f"{label}: holds traces of {len(traces)} devices; replay one at a time")
-    return _from_device_trace(traces[0] if traces else [])
-
-
-def _from_device_trace(entries: list[dict]) -> list[AllocEvent]:
-    """Allocs and frees; a free counts when it completes (cross-stream frees wait for their events)."""
-    completes = any(e.get("action") == "free_completed" for e in entries)
-    free_action = "free_completed" if completes else "free_requested"
-    events = []
-    for entry in entries:
-        action = entry.get("action")
-        if action == "alloc":
-            events.append(AllocEvent("alloc", int(entry["addr"]), int(entry["size"]), int(entry.get("stream", 0))))
-        elif action == free_action:
-            events.append(AllocEvent("free", int(entry["addr"]), int(entry["size"]), int(entry.get("stream", 0))))
-    return events
+    return trace_from_data(data, label).events
 
 
 @dataclass
@@ -98,6 +45,16 @@ class ReplayResult:
     oom_event_index: int | None = None
     oom_message: str | None = None
     warnings: list[str] = field(default_factory=list)
+    oom_entry_index: int | None = None
+    """The device-trace entry of the allocation that ran out (None for events built in code)."""
+    start: StartState | None = None
+    """The memory put in before the first event (a trace that starts late)."""
+    capacity_bytes: int | None = None
+    capacity_inferred: bool = False
+
+    @property
+    def completes(self) -> bool:
+        return self.oom_event_index is None
 
     def fragmentation(self) -> dict[str, float | int]:
         sim = self.sim
@@ -126,7 +83,11 @@ class ReplayResult:
             "num_alloc_retries": stats["num_alloc_retries"],
             "num_ooms": stats["num_ooms"],
             "oom": None if self.oom_event_index is None else {"event_index": self.oom_event_index,
+                                                               "entry_index": self.oom_entry_index,
                                                                "message": self.oom_message},
+            "capacity_bytes": self.capacity_bytes,
+            "capacity_inferred": self.capacity_inferred,
+            "start_state": None if self.start is None else self.start.to_dict(),
             "fragmentation": self.fragmentation(),
             "allocator_settings": self.sim.config.source,
             "memory_stats": stats,
@@ -135,78 +96,126 @@ class ReplayResult:
 
 
 def replay(events: list[AllocEvent], config: AllocatorConfig | None = None, *, capacity_bytes: int | None = None,
-           device_total_bytes: int | None = None, record_trace: bool = False) -> ReplayResult:
+           device_total_bytes: int | None = None, record_trace: bool = False,
+           start: StartState | None = None) -> ReplayResult:
+    """Replay `events`; with `start`, the memory live before the first one is put in first."""
     sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes, device_total_bytes=device_total_bytes,
                               record_trace=record_trace)
-    live = {}
     warnings: list[str] = []
-    peak_allocated = reserved_at_peak = 0
+    result = ReplayResult(sim, len(events), 0, 0, 0, 0, warnings=warnings, start=start)
+    live: dict[int, Block] = {}
+    if start is not None:
+        try:
+            live = restore_start(sim, start, warnings)
+        except SimulatedOOM as oom:
+            warnings.append("out of memory before the first event, while allocating the blocks live then")
+            return _finish(result, 0, 0, oom)
+    index, oom, result.reserved_at_allocated_peak_bytes = _run(sim, events, live, warnings)
+    return _finish(result, index, events[index].entry if oom is not None else None, oom)
+
+
+def _run(sim: CachingAllocatorSim, events: list[AllocEvent], live: dict[int, Block],
+         warnings: list[str]) -> tuple[int, SimulatedOOM | None, int]:
+    """(events replayed, or the index of the one that ran out; the error; reserved at the allocated peak)."""
+    allocated_stat, reserved_stat = sim.stats["allocated_bytes"][0], sim.stats["reserved_bytes"][0]
+    peak_allocated, reserved_at_peak = allocated_stat.current, reserved_stat.current
     for index, event in enumerate(events):
         if event.action == "alloc":
             try:
                 block = sim.malloc(event.size, event.stream)
             except SimulatedOOM as oom:
-                return ReplayResult(sim, len(events), index, sim.stats["allocated_bytes"][0].peak,
-                                    sim.stats["reserved_bytes"][0].peak, reserved_at_peak, index, str(oom), warnings)
-            if event.addr in live and len(warnings) < 10:
+                return index, oom, reserved_at_peak
+            if event.addr in live and len(warnings) < MAX_EVENT_WARNINGS:
                 warnings.append(f"event {index}: address {event.addr:#x} allocated twice without a free")
             live[event.addr] = block
-            allocated = sim.stats["allocated_bytes"][0].current
-            if allocated > peak_allocated:
-                peak_allocated, reserved_at_peak = allocated, sim.stats["reserved_bytes"][0].current
+            if allocated_stat.current > peak_allocated:
+                peak_allocated, reserved_at_peak = allocated_stat.current, reserved_stat.current
         else:
             block = live.pop(event.addr, None)
             if block is None:
-                # Freed before the trace began (a ring buffer that wrapped, or history started late).
-                if len(warnings) < 10:
+                # Freed before the trace began, and no snapshot segments told of it.
+                if len(warnings) < MAX_EVENT_WARNINGS:
                     warnings.append(f"event {index}: free of {event.addr:#x}, never allocated in this trace; ignored")
                 continue
             sim.free(block)
-    return ReplayResult(sim, len(events), len(events), sim.stats["allocated_bytes"][0].peak,
-                        sim.stats["reserved_bytes"][0].peak, reserved_at_peak, warnings=warnings)
+    return len(events), None, reserved_at_peak
 
 
-BISECTION_PRECISION = 256
+def _finish(result: ReplayResult, index: int, entry: int | None, oom: SimulatedOOM | None) -> ReplayResult:
+    stats = result.sim.stats
+    result.events_replayed = index
+    result.peak_allocated_bytes = stats["allocated_bytes"][0].peak
+    result.peak_reserved_bytes = stats["reserved_bytes"][0].peak
+    if oom is not None:
+        result.oom_event_index, result.oom_entry_index, result.oom_message = index, entry, str(oom)
+    return result
 
 
-def required_reserved_bytes(events: list[AllocEvent], config: AllocatorConfig | None = None, *,
-                            smallest_card: bool = False, runs_within: int | None = None) -> tuple[int, int]:
-    """(peak allocated, peak reserved) that a card must hold for these allocations.
+def replay_trace(trace: LoadedTrace, config: AllocatorConfig | None = None, *, capacity_bytes: int | None = None,
+                 device_total_bytes: int | None = None, record_trace: bool = False) -> ReplayResult:
+    """Replay a loaded file with what it tells beyond its events: the memory live before its first
+    entry, and, when it ends with an out-of-memory error and no capacity is given, the capacity
+    at that error (then the replay should run out at that entry too). `result.start` is that
+    memory with every block size settled: replay other settings from it (advice)."""
+    inferred = capacity_bytes is None and trace.oom_capacity_bytes is not None
+    capacity = trace.oom_capacity_bytes if inferred else capacity_bytes
+    events = trace.replay_events(with_failed_alloc=capacity is not None)
+    start = resolve_start(trace.start, config) if trace.start is not None else None
+    result = replay(events, config, capacity_bytes=capacity, device_total_bytes=device_total_bytes,
+                    record_trace=record_trace, start=start)
+    notes = list(trace.notes)
+    if trace.failed_alloc is not None and (inferred or capacity is None):
+        notes.append(trace.capacity_note)
+    if trace.failed_alloc is not None and capacity is not None:
+        notes.extend(_oom_agreement(trace.failed_alloc.entry, result))
+    result.warnings[:0] = notes
+    result.capacity_bytes, result.capacity_inferred = capacity, inferred
+    return result
 
-    By default the peak reserved on a card without limit, what `max_memory_reserved()` shows on
-    a large card. Generation grows its KV cache by repeated concatenation, and each freed
-    block stays cached, too small for the next request: that figure then runs away with the
-    number of steps or prefill chunks, while a card that runs out frees its cached blocks and
-    retries before it raises. `smallest_card` answers instead the smallest capacity that
-    replays without an out-of-memory error, found by bisection to 0.4 % of the allocated peak,
-    below `runs_within` (a capacity known to run) when given, else below the unlimited peak."""
-    if smallest_card and runs_within is not None:
-        peak = low = peak_allocated_bytes(events)
-        high = max(runs_within, low)
-    else:
-        free = replay(events, config)
-        peak = low = free.peak_allocated_bytes
-        high = free.peak_reserved_bytes
-        if not smallest_card:
-            return peak, high
 
-    def runs(capacity: int) -> bool:
-        return runs_on_card(events, capacity, config) is not None
+def _oom_agreement(entry: int, result: ReplayResult) -> list[str]:
+    if result.oom_entry_index == entry:
+        return []
+    if result.completes:
+        return [f"torch ran out of memory at entry {entry}; the simulation does not, with this capacity"]
+    return [f"torch ran out of memory at entry {entry}; the simulation runs out earlier, at entry "
+            f"{result.oom_entry_index}"]
 
-    # The unlimited figure can be many times the allocated peak: gallop up from it first.
-    step = max(low // 32, 1)
-    while low + step < high:
-        if runs(low + step):
+
+SEARCH_PRECISION = 128
+"""The smallest card is found to 1/128 of the allocated peak (0.8 %): finer than the synthetic
+schedules' own agreement with traces, and two replays fewer per search than 1/512."""
+
+
+def smallest_card(events) -> tuple[int, int]:
+    """(peak allocated, the smallest capacity on which the events replay without an out-of-memory
+    error), to 1/128 of the allocated peak. On a card without limit the allocator never has to free
+    its cache, so the unlimited replay's peak reserved always works; often nothing smaller does (a
+    freed block left in a split segment is too small for a later request, which then needs a new
+    segment however much is cached), and one replay just below it says so. Otherwise: a search
+    between the allocated peak and that bound, galloping up first (steps of the precision, doubling)
+    when the bound is more than twice the peak (a growing KV cache leaves many cached blocks behind
+    on a card without limit, while a card that runs out frees them and retries)."""
+    allocated = peak_allocated_bytes(events)
+    low, high = allocated, runs_on_card(events, None)
+    precision = max(low // SEARCH_PRECISION, 1)
+    far = high > 2 * low
+    if high - low <= precision or (not far and runs_on_card(events, high - precision) is None):
+        return low, high
+    high -= precision
+    step = precision
+    while far and low + step < high:
+        if runs_on_card(events, low + step) is not None:
             high = low + step
             break
         low, step = low + step, step * 2
-    while high - low > low // BISECTION_PRECISION:
+    while high - low > precision:
         mid = (low + high) // 2
-        if runs(mid):
+        if runs_on_card(events, mid) is not None:
             high = mid
         else:
             low = mid
-    return peak, high
+    return allocated, high
 
 
 def peak_allocated_bytes(events: list[AllocEvent]) -> int:
@@ -223,8 +232,25 @@ def peak_allocated_bytes(events: list[AllocEvent]) -> int:
     return peak
 
 
-def runs_on_card(events: list[AllocEvent], capacity_bytes: int, config: AllocatorConfig | None = None) -> int | None:
+def runs_on_card(events: list[AllocEvent], capacity_bytes: int | None, config: AllocatorConfig | None = None) -> int | None:
     """Peak reserved bytes when these allocations replay on a card where cudaMalloc can get
-    `capacity_bytes`, or None if they run out of memory there."""
-    result = replay(events, config, capacity_bytes=capacity_bytes)
-    return result.peak_reserved_bytes if result.oom_event_index is None else None
+    `capacity_bytes` (None: without limit), or None if they run out of memory there. The same
+    decisions as `replay`, without its statistics (`LeanAllocatorSim`)."""
+    from llamem.allocator.simulator import LeanAllocatorSim
+
+    sim = LeanAllocatorSim(config, capacity_bytes=capacity_bytes)
+    live: dict[int, Block] = {}
+    peak = 0
+    try:
+        for event in events:
+            if event.action == "alloc":
+                live[event.addr] = sim.malloc(event.size, event.stream)
+                if sim.total_allocated > peak:
+                    peak = sim.total_allocated
+            else:
+                block = live.pop(event.addr, None)
+                if block is not None:
+                    sim.free(block)
+    except SimulatedOOM:
+        return None
+    return peak

@@ -19,24 +19,44 @@ Follows `DeviceCachingAllocator::malloc/free/emptyCache` rule by rule:
   in 2 MiB (small) or 20 MiB (large) pages.
 
 Not simulated: CUDA graph private pools and MemPools, cross-stream frees (`record_stream`
-events: frees complete when the trace says `free_completed`), `cudaMallocAsync`.
+events: frees complete when the trace says `free_completed`); `backend:cudaMallocAsync` is
+refused (check_simulated).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from llamem.allocator.config import SIZE_MAX, AllocatorConfig
+from llamem.allocator.config import LARGE_BUFFER, SIZE_MAX, AllocatorConfig, AllocatorConfigError
 from llamem.errors import EXIT_DOES_NOT_FIT, LlamemError
+from llamem.units import GiB, KiB, MiB, TiB
 
+# c10/cuda/CUDACachingAllocator.cpp (kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc, kRoundLarge)
 MIN_BLOCK = 512
-SMALL_SIZE = 1024 * 1024
-SMALL_BUFFER = 2 * 1024 * 1024
-MIN_LARGE_ALLOC = 10 * 1024 * 1024
-ROUND_LARGE = 2 * 1024 * 1024
+SMALL_SIZE = 1 * MiB
+SMALL_BUFFER = 2 * MiB
+MIN_LARGE_ALLOC = 10 * MiB
+ROUND_LARGE = 2 * MiB
+UNKNOWN_DEVICE_SPAN = 1 * TiB
+"""Address space of an expandable segment when the device's total memory is not known: more than
+1.125 x the memory of any card made, so that the segment never fills up before the card would."""
 STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
               "active_bytes", "inactive_split_bytes", "requested_bytes")
 POOL_TYPES = ("all", "small_pool", "large_pool")
+
+
+def check_simulated(config: AllocatorConfig) -> None:
+    """Refuse a backend the simulator would only pretend to model.
+
+    With `backend:cudaMallocAsync` torch hands every allocation to the CUDA driver's stream-ordered
+    pool (c10/cuda/CUDAMallocAsyncAllocator.cpp): pooling, splitting and release follow the driver's
+    policy, which NVIDIA does not publish, and none of the native allocator's rules apply."""
+    if config.backend != "native":
+        raise AllocatorConfigError(
+            f"backend:{config.backend} cannot be simulated: llamem models PyTorch's native caching allocator, "
+            f"and {config.backend} hands memory pooling to the GPU driver, whose policy is not public. "
+            f"Drop backend:{config.backend} from the allocator settings (or write backend:native) to simulate "
+            "the native allocator.")
 
 
 class SimulatedOOM(LlamemError):
@@ -52,13 +72,13 @@ class SimulatedOOM(LlamemError):
 
 def format_size(size: int) -> str:
     """c10's format_size: bytes, KiB, MiB or GiB with two decimals."""
-    if size <= 1024:
+    if size <= KiB:
         return f"{size} bytes"
-    if size <= 1048576:
-        return f"{size / 1024.0:.2f} KiB"
-    if size <= 1073741824:
-        return f"{size / 1048576.0:.2f} MiB"
-    return f"{size / 1073741824.0:.2f} GiB"
+    if size <= MiB:
+        return f"{size / KiB:.2f} KiB"
+    if size <= GiB:
+        return f"{size / MiB:.2f} MiB"
+    return f"{size / GiB:.2f} GiB"
 
 
 class Stat:
@@ -145,6 +165,7 @@ class CachingAllocatorSim:
     def __init__(self, config: AllocatorConfig | None = None, *, capacity_bytes: int | None = None,
                  device_total_bytes: int | None = None, record_trace: bool = False):
         self.config = config or AllocatorConfig()
+        check_simulated(self.config)
         self.capacity = capacity_bytes if capacity_bytes is not None else SIZE_MAX
         self.device_total = device_total_bytes or (capacity_bytes if capacity_bytes is not None else 0)
         self.small = Pool(True)
@@ -191,7 +212,7 @@ class CachingAllocatorSim:
         if size <= SMALL_SIZE:
             return SMALL_BUFFER
         if size < MIN_LARGE_ALLOC:
-            return 20 * 1024 * 1024
+            return LARGE_BUFFER
         return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
 
     def _allocation_size(self, size: int) -> int:
@@ -337,6 +358,53 @@ class CachingAllocatorSim:
         if block.size >= self.max_split:
             self.oversize_allocations.increase(1)
         return block
+
+    # Memory from before a trace -------------------------------------------------------
+    def restore_segment(self, stream: int, small: bool, pieces: list[tuple[int, int, int | None]]) -> list[Block]:
+        """Put in a segment that existed before the trace, as it was: `pieces` are its blocks in
+        address order, (address, bytes, requested bytes) for a live block and (address, bytes,
+        None) for a cached free one. Returns the live blocks. Counted in reserved, allocated,
+        segment and split statistics (their peaks start there), not as cudaMalloc calls or trace entries."""
+        pool = self.small if small else self.large
+        blocks, previous = [], None
+        for ptr, size, _requested in pieces:
+            block = Block(ptr, size, pool, stream)
+            block.prev = previous
+            if previous is not None:
+                previous.next = block
+            blocks.append(block)
+            previous = block
+        total = sum(size for _, size, _ in pieces)
+        self.total_allocated += total
+        self._inc("segment", pool, 1)
+        self._inc("reserved_bytes", pool, total)
+        if total >= self.max_split:
+            self.oversize_segments.increase(1)
+        live = []
+        for block, (_, _, requested) in zip(blocks, pieces):
+            if requested is None:
+                self._restore_free(block, pool, split=len(blocks) > 1)
+            else:
+                self._restore_live(block, pool, requested)
+                live.append(block)
+        self.next_address = max(self.next_address, pieces[-1][0] + pieces[-1][1] + SMALL_BUFFER)
+        return live
+
+    def _restore_free(self, block: Block, pool: Pool, split: bool) -> None:
+        pool.insert(block)
+        if split:
+            self._inc("inactive_split", pool, 1)
+            self._inc("inactive_split_bytes", pool, block.size)
+
+    def _restore_live(self, block: Block, pool: Pool, requested: int) -> None:
+        block.allocated = True
+        block.requested = requested
+        self.active.add(block)
+        for name, amount in (("allocation", 1), ("allocated_bytes", block.size), ("active", 1),
+                             ("active_bytes", block.size), ("requested_bytes", requested)):
+            self._inc(name, pool, amount)
+        if block.size >= self.max_split:
+            self.oversize_allocations.increase(1)
 
     # free -------------------------------------------------------------------------------
     def free(self, block: Block) -> None:
@@ -488,17 +556,28 @@ class CachingAllocatorSim:
 
     def _allocate_expandable(self, pool: Pool, size: int, stream: int) -> Block | None:
         candidate = self._find_expandable_block(pool, size, stream)
+        if candidate is None:
+            return None
         if not candidate.mapped and not self._map_block(candidate, min(candidate.size, size)):
             return None
         while candidate.size < size:
             following = candidate.next
-            if not self._map_block(following, min(size - candidate.size, following.size)):
+            if following is None or not self._map_block(following, min(size - candidate.size, following.size)):
                 return None
             candidate = following
         pool.remove(candidate)
         return candidate
 
-    def _find_expandable_block(self, pool: Pool, size: int, stream: int) -> Block:
+    def _expandable_span(self, pool: Pool, size: int) -> int:
+        """The address space of a new expandable segment. torch reserves 1.125 x the device's total
+        memory (ExpandableSegment: `numSegments(prop.totalGlobalMem + prop.totalGlobalMem / 8)` pages);
+        with no device total known, a range no card fills, and never less than the request."""
+        page = self._page(pool)
+        if self.device_total:
+            return -(-(self.device_total + self.device_total // 8) // page) * page
+        return max(UNKNOWN_DEVICE_SPAN, -(-size // page) * page)
+
+    def _find_expandable_block(self, pool: Pool, size: int, stream: int) -> Block | None:
         def allocatable(b: Block | None) -> bool:
             return b is not None and not b.allocated
 
@@ -513,8 +592,11 @@ class CachingAllocatorSim:
             start = block.prev if (allocatable(block.prev) and block.prev.mapped) else block
             if room(start):
                 return start
-        # A new virtual range: 1.125 x the device, as torch reserves (at least 64 GiB here).
-        span = max((self.device_total or 0) * 9 // 8, 64 * 2**30)
+        span = self._expandable_span(pool, size)
+        if size > span:
+            # More than the whole range: torch's map() runs out of physical pages first and the
+            # allocation ends in the usual out-of-memory error.
+            return None
         segment = ExpandableSegment(self.next_address, span, self._page(pool))
         self.next_address += span + SMALL_BUFFER
         self.expandable.append(segment)
@@ -637,3 +719,19 @@ class CachingAllocatorSim:
             if block.prev is None or (block.segment is not None and not block.prev.mapped):
                 heads.append(block)
         return sorted(heads, key=lambda b: b.ptr)
+
+
+class LeanAllocatorSim(CachingAllocatorSim):
+    """The same allocator without its statistics or trace: for the many replays that only ask
+    whether a schedule runs on a card and how much it reserves (`total_allocated` is all they read),
+    about a third faster. Every allocation decision is the parent's."""
+
+    def _inc(self, name: str, pool: Pool, amount: int) -> None:
+        pass
+
+    def _dec(self, name: str, pool: Pool, amount: int) -> None:
+        pass
+
+    def _trace(self, action: str, addr: int, size: int, stream: int, **extra) -> None:
+        pass
+

@@ -20,7 +20,9 @@ width, e the compute dtype's bytes:
   (4 T fan_in) and lora_A's output (4 T r). Layer 0 keeps nothing of its input norm (the
   embedding output needs no gradient) unless checkpointing forces input gradients.
 - Activation checkpointing keeps only a checkpointed layer's input; its full set comes
-  back during its backward (one layer at a time).
+  back during its backward (one layer at a time; `backward.py`).
+- Model-level tensors alive through the step: RoPE's cos and sin, the final norm's saved
+  tensors and its output, with checkpointing the materialised causal mask.
 
 Not included: torch.compile fusions, fused kernels (Liger, flash-attn package), dropout.
 """
@@ -30,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from llamem.analytic.common import r512
+from llamem.analytic.common import r512, trains_base_weights
+from llamem.analytic.kv_cache import training_cache_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import Workload
@@ -49,15 +52,6 @@ def compute_bytes(workload: Workload) -> int:
     return int(DTYPE_BYTES[workload.compute_dtype])
 
 
-def masked_sdpa_sizes(spec: ModelSpec, workload: Workload, queries: int, keys: int) -> list[int]:
-    """Temporaries of one layer's SDPA call with an explicit mask (a prefill chunk after the first):
-    transformers repeats K and V to every query head (SDPA takes GQA natively only without a mask),
-    and SDPA turns the bool mask into an additive one of the batch's full size."""
-    e = compute_bytes(workload)
-    repeats = [r512(e * workload.batch * keys * spec.q_dim)] * 2 if spec.gqa_groups > 1 else []
-    return repeats + [r512(e * workload.batch * queries * keys)]
-
-
 def layer_flags(workload: Workload, layer_index: int) -> LayerFlags:
     return _layer_flags(workload.task, workload.lora_targets, workload.ac_every > 0, layer_index > 0)
 
@@ -72,8 +66,10 @@ def _layer_flags(task: str, lora_targets: tuple[str, ...], checkpointing: bool, 
     return LayerFlags(input_rg, train_all, targets)
 
 
-def _norm_saved(T: int, h: int, e: int, mixed: bool, input_rg: bool, weight_trains: bool) -> int:
-    """RMSNorm's own saved tensors (not its output, not its input when that is the fp32 stream)."""
+def norm_saved_bytes(T: int, h: int, e: int, mixed: bool, input_rg: bool, weight_trains: bool) -> int:
+    """RMSNorm's own saved tensors (not its output, not its input when that is the fp32 stream):
+    rsqrt 4T and, in pure bf16/fp16, the fp32 upcast 4Th (for the input's gradient); the
+    normalised input (for the weight's)."""
     saved = 0
     if input_rg:
         saved += r512(4 * T)  # rsqrt
@@ -85,8 +81,9 @@ def _norm_saved(T: int, h: int, e: int, mixed: bool, input_rg: bool, weight_trai
 
 
 def _consumer_saved(T: int, fan_in: int, e: int, mixed: bool, flags: LayerFlags, names: tuple[str, ...],
-                    rank: int, fp32_output_saved: bool = False) -> int:
-    """What the linears reading one tensor keep of it."""
+                    rank: int) -> int:
+    """What the linears reading one tensor keep of it: full fine-tuning one input (autocast one
+    bf16 cast per linear); LoRA per adapted linear its fp32 input cast and lora_A's output."""
     saved = 0
     if flags.train_all:
         # bf16 autocast casts the input once per linear; pure precision shares one tensor.
@@ -99,70 +96,95 @@ def _consumer_saved(T: int, fan_in: int, e: int, mixed: bool, flags: LayerFlags,
     return saved
 
 
+def _attention_needs_grad(flags: LayerFlags) -> bool:
+    """Attention keeps its inputs when the layer input needs a gradient or q/k/v are adapted."""
+    return flags.input_requires_grad or bool(flags.targets & {"q_proj", "k_proj", "v_proj"})
+
+
 def layer_saved_bytes(spec: ModelSpec, workload: Workload, layer_index: int) -> dict[str, int]:
     """Saved tensors of one (not checkpointed) layer, by part."""
     T = workload.batch * workload.seq
-    b, s = workload.batch, workload.seq
-    h, q, kv, I = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
-    e, mixed = compute_bytes(workload), workload.mixed
+    h, e, mixed = spec.hidden_size, compute_bytes(workload), workload.mixed
     flags = layer_flags(workload, layer_index)
-    t = flags.targets
-    rank = workload.lora_rank
-    ae = 2 if mixed else e  # dtype of the attention inputs and linear outputs
-    out: dict[str, int] = {}
+    attn_rg = _attention_needs_grad(flags)
+    h1_rg = attn_rg or "o_proj" in flags.targets  # the residual mid-point needs a gradient
+    return {"norm": (norm_saved_bytes(T, h, e, mixed, flags.input_requires_grad, flags.train_all)
+                     + norm_saved_bytes(T, h, e, mixed, h1_rg, flags.train_all)),
+            "lora": _linear_inputs_saved(spec, workload, flags),
+            "attention": _attention_saved(spec, workload) if attn_rg else 0,
+            "mlp": _mlp_saved(spec, workload, flags, h1_rg),
+            "residual": _residual_saved(spec, workload, h1_rg)}
 
-    out["norm"] = _norm_saved(T, h, e, mixed, flags.input_requires_grad, flags.train_all)
-    out["lora"] = _consumer_saved(T, h, e, mixed, flags, ("q_proj", "k_proj", "v_proj"), rank)
 
-    attn_rg = flags.input_requires_grad or bool(t & {"q_proj", "k_proj", "v_proj"})
-    attention = 0
-    # Without a KV cache (checkpointing turns it off) transformers passes a materialised causal
-    # mask, so SDPA cannot run GQA natively: K and V are repeated to every query head, and SDPA
-    # keeps the mask converted to the compute dtype.
+def _linear_inputs_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags) -> int:
+    """The inputs the attention and MLP linears keep (the norms' outputs), and an adapted
+    o_proj's fp32 cast of the attention output and its lora_A output (the output itself is
+    SDPA's, already counted)."""
+    T, h, rank = workload.batch * workload.seq, spec.hidden_size, workload.lora_rank
+    e, mixed = compute_bytes(workload), workload.mixed
+    saved = _consumer_saved(T, h, e, mixed, flags, ("q_proj", "k_proj", "v_proj"), rank)
+    if "o_proj" in flags.targets and not flags.train_all:
+        saved += (r512(4 * T * spec.q_dim) if e < 4 else 0) + r512(4 * T * rank)
+    return saved + _consumer_saved(T, h, e, mixed, flags, ("gate_proj", "up_proj"), rank)
+
+
+def _attention_saved(spec: ModelSpec, workload: Workload) -> int:
+    """Attention's saved tensors; `ae` is the dtype of the attention inputs (bf16 under autocast)."""
+    if workload.attn == "sdpa":
+        return _sdpa_saved(spec, workload)
+    return _eager_attention_saved(spec, workload)
+
+
+def _sdpa_saved(spec: ModelSpec, workload: Workload) -> int:
+    """q and the output (ae T q each), k and v (ae T kv each), the fp32 logsumexp 4 b heads s.
+    Without a KV cache (checkpointing turns it off) transformers passes a materialised causal
+    mask, so SDPA cannot run GQA natively: K and V are repeated to every query head, and SDPA
+    keeps the mask converted to the compute dtype (ae b s^2)."""
+    b, s = workload.batch, workload.seq
+    T, q = b * s, spec.q_dim
+    ae = 2 if workload.mixed else compute_bytes(workload)
     masked = workload.ac_every > 0
-    k_dim = q if (masked and spec.gqa_groups > 1) else kv
-    if attn_rg:
-        if workload.attn == "sdpa":
-            attention += r512(ae * T * q) + 2 * r512(ae * T * k_dim) + r512(ae * T * q) + r512(4 * b * spec.num_heads * s)
-            attention += r512(ae * b * s * s) if masked else 0
-        else:
-            probs = b * spec.num_heads * s * s
-            attention += r512(ae * T * q) + 2 * r512(ae * T * q) + r512(4 * probs) + r512(ae * T * q)
-            attention += r512(ae * probs) if (mixed or e < 4) else 0
-    out["attention"] = attention
-    # o_proj reads the attention output, already kept above (SDPA's output); an adapted o_proj
-    # also keeps its fp32 cast and lora_A's output.
-    if "o_proj" in t and not flags.train_all:
-        out["lora"] += (r512(4 * T * q) if e < 4 else 0) + r512(4 * T * rank)
+    k_dim = q if (masked and spec.gqa_groups > 1) else spec.kv_dim
+    saved = r512(ae * T * q) + 2 * r512(ae * T * k_dim) + r512(ae * T * q) + r512(4 * b * spec.num_heads * s)
+    return saved + (r512(ae * b * s * s) if masked else 0)
 
-    h1_rg = attn_rg or "o_proj" in t
-    out["norm"] += _norm_saved(T, h, e, mixed, h1_rg, flags.train_all)
-    out["lora"] += _consumer_saved(T, h, e, mixed, flags, ("gate_proj", "up_proj"), rank)
 
+def _eager_attention_saved(spec: ModelSpec, workload: Workload) -> int:
+    """q, k and v repeated to q width (ae T q each), the output, the fp32 softmax 4 b heads s^2 and,
+    below fp32, its compute-dtype copy."""
+    b, s = workload.batch, workload.seq
+    T, q = b * s, spec.q_dim
+    e, mixed = compute_bytes(workload), workload.mixed
+    ae = 2 if mixed else e
+    probs = b * spec.num_heads * s * s
+    saved = r512(ae * T * q) + 2 * r512(ae * T * q) + r512(4 * probs) + r512(ae * T * q)
+    return saved + (r512(ae * probs) if (mixed or e < 4) else 0)
+
+
+def _mlp_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags, h1_rg: bool) -> int:
+    """SwiGLU: gate (kept by silu), silu(gate) (by the product, for up's gradient), up (for silu's),
+    the product (by down_proj, when its weight trains; an adapted down_proj keeps its fp32 cast
+    and lora_A's output instead). ae T I each."""
+    T, I = workload.batch * workload.seq, spec.intermediate_size
+    e, t = compute_bytes(workload), flags.targets
+    unit = r512((2 if workload.mixed else e) * T * I)
     gate_rg = h1_rg or "gate_proj" in t
     up_rg = h1_rg or "up_proj" in t
-    unit = r512(ae * T * I)
-    mlp = 0
-    if gate_rg:
-        mlp += unit  # gate, kept by silu
-    if up_rg:
-        mlp += unit  # silu(gate), kept by the product for up's gradient
-    if gate_rg:
-        mlp += unit  # up, kept by the product for silu's gradient
+    mlp = (2 * unit if gate_rg else 0) + (unit if up_rg else 0)
     if flags.train_all:
-        mlp += unit  # product, kept by down_proj for its weight gradient
+        mlp += unit
     elif "down_proj" in t:
-        mlp += (r512(4 * T * I) if e < 4 else r512(e * T * I)) + r512(4 * T * rank)
-    out["mlp"] = mlp
+        mlp += (r512(4 * T * I) if e < 4 else r512(e * T * I)) + r512(4 * T * workload.lora_rank)
+    return mlp
 
-    # The fp32 residual stream (mixed or fp32 compute) is kept by the next RMSNorm's pow/mul:
-    # this layer's mid-point h1 and its output h2.
-    stream = 0
-    if mixed or e == 4:
-        stream += r512(4 * T * h) if h1_rg else 0
-        stream += r512(4 * T * h)
-    out["residual"] = stream
-    return out
+
+def _residual_saved(spec: ModelSpec, workload: Workload, h1_rg: bool) -> int:
+    """The fp32 residual stream (mixed or fp32 compute) is kept by the next RMSNorm's pow/mul:
+    this layer's mid-point h1 (4Th, when it needs a gradient) and its output h2 (4Th)."""
+    if not (workload.mixed or compute_bytes(workload) == 4):
+        return 0
+    stream = r512(4 * workload.batch * workload.seq * spec.hidden_size)
+    return (stream if h1_rg else 0) + stream
 
 
 def is_checkpointed(workload: Workload, layer_index: int) -> bool:
@@ -205,3 +227,51 @@ def model_saved_bytes(spec: ModelSpec, workload: Workload,
     if fp32_stream and not K and layer_flags(workload, 0).input_requires_grad:
         totals["residual"] += stream
     return totals
+
+
+def rope_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """RoPE's cos and sin (seq x head_dim each; fp32 under autocast), alive through the step."""
+    return 2 * r512(workload.seq * spec.head_dim * (4 if workload.mixed else compute_bytes(workload)))
+
+
+def checkpoint_mask_bytes(workload: Workload) -> int:
+    """With checkpointing (no cache) transformers materialises a bool causal mask (b, 1, s, s); the
+    checkpoints keep it, and the position ids (8 s), until their layer's backward."""
+    if not workload.ac_every:
+        return 0
+    return r512(workload.batch * workload.seq * workload.seq) + r512(8 * workload.seq)
+
+
+def _final_norm_saved_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """The final RMSNorm's saved tensors (its input always needs a gradient)."""
+    return norm_saved_bytes(workload.batch * workload.seq, spec.hidden_size, compute_bytes(workload),
+                            workload.mixed, True, trains_base_weights(workload))
+
+
+def _final_output_kept_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """The final norm's output, kept by lm_head for its weight's gradient in pure precision (under
+    autocast the head keeps a bf16 cast, counted with the logits)."""
+    return stream_bytes(workload, spec) if (trains_base_weights(workload) and not workload.mixed) else 0
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingActivations:
+    """Activation bytes at a training step's moments."""
+
+    forward: int
+    """At the loss: every layer's saved set, the model-level tensors, the final norm's output (held
+    by the model's output; distillation's peak comes after the model has returned), the cache."""
+    backward: int
+    """At the loss backward: the same, less the cache and the output unless lm_head kept it."""
+    layer: int
+    """One plain layer's saved set (layer 1 on): what a checkpointed layer has back in its backward."""
+
+
+def training_activations(spec: ModelSpec, workload: Workload, distill: bool = False) -> TrainingActivations:
+    layers = (layer_saved_bytes(spec, workload, 0), layer_saved_bytes(spec, workload, 1))
+    saved = (sum(model_saved_bytes(spec, workload, layers).values()) + rope_bytes(spec, workload)
+             + _final_norm_saved_bytes(spec, workload) + checkpoint_mask_bytes(workload))
+    kept_output = _final_output_kept_bytes(spec, workload)
+    output = kept_output if distill else stream_bytes(workload, spec)
+    return TrainingActivations(forward=saved + output + training_cache_bytes(spec, workload),
+                               backward=saved + kept_output, layer=sum(layers[1].values()))

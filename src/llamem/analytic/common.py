@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llamem.dtypes import DTYPE_BYTES
+from llamem.workload import Workload
 
 BLOCK_BYTES = 512
 """The CUDA caching allocator rounds every tensor up to a multiple of 512 bytes."""
@@ -17,3 +18,16 @@ def r512(num_bytes: float) -> int:
 
 def tensor_bytes(numel: int, dtype: str) -> int:
     return r512(numel * DTYPE_BYTES[dtype])
+
+
+def trains_base_weights(workload: Workload) -> bool:
+    """Full fine-tuning (and distillation's student): every weight of the model trains, not
+    adapters on a frozen base."""
+    return workload.task in ("train", "distill")
+
+
+def prefill_chunks(workload: Workload) -> tuple[int, int]:
+    """(prompt tokens per prefill forward, tokens of the last forward): the prompt cut into
+    `prefill_step`-token chunks, the remainder last (a whole chunk when it divides evenly)."""
+    chunk = workload.prefill_step
+    return chunk, workload.seq - (workload.seq - 1) // chunk * chunk

@@ -6,13 +6,18 @@ ones: the storage holds them all (transformers' DynamicSlidingWindowLayer), so a
 prefilled at once stays in memory until the first decode step replaces it. Quantized caches
 (int8/int4, KIVI-style as transformers' QuantizedCache) add one scale and zero-point (stored
 in the compute dtype) per group of 64 and keep the last 128 tokens in full precision.
+
+Also here: the cache's growth during decoding (`torch.cat` makes a layer's new K or V beside the
+old one), eager attention's copies of the cache to every query head, and the cache that
+transformers builds in training (`use_cache` defaults to True).
 """
 
 from __future__ import annotations
 
-from llamem.analytic.common import r512
+from llamem.analytic.common import prefill_chunks, r512
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
+from llamem.workload import Workload
 
 QUANT_GROUP = 64
 RESIDUAL_TOKENS = 128
@@ -40,3 +45,75 @@ def kv_layer_tensor_bytes(spec: ModelSpec, batch: int, kept: int, kv_dtype: str)
 def kv_cache_bytes(spec: ModelSpec, batch: int, kept: int, kv_dtype: str = "bf16") -> int:
     """Every layer's K and V, each holding `kept` tokens (see `stored_tokens`)."""
     return 2 * spec.num_layers * kv_layer_tensor_bytes(spec, batch, kept, kv_dtype)
+
+
+def old_tensors_alive(spec: ModelSpec) -> int:
+    """Old cache tensors of one layer alive while it grows: DynamicLayer replaces K before making the
+    new V; DynamicSlidingWindowLayer makes both before replacing either."""
+    return 2 if spec.sliding_window else 1
+
+
+def repeated_kv_bytes(spec: ModelSpec, batch: int, keys: int, compute_bytes: int) -> int:
+    """`repeat_kv`'s copy of one layer's K (or V) to every query head: e * batch * keys * q_dim.
+    0 without grouped-query attention (no copy is made)."""
+    return r512(compute_bytes * batch * keys * spec.q_dim) if spec.gqa_groups > 1 else 0
+
+
+def decode_moment(spec: ModelSpec, w: Workload) -> dict[str, int]:
+    """The cache, and eager attention's copies of it, at the decode's worst moment: the last step,
+    or for a sliding window the first (the prompt's storage is still whole in the layers not yet
+    updated). Each candidate is one moment: the first step's cache growth and its attention are
+    apart, so their maxima are not added (a sliding-window model with eager attention: Mistral-7B,
+    4 layers, window 256, batch 2, a 700-token prompt: traced 27,918,336 B beyond the weights,
+    counted 28,084,224; adding the maxima gave 33,818,624)."""
+    final = w.seq + w.new_tokens - 1
+    moments = [_last_step_moment(spec, w, final)]
+    if spec.sliding_window:
+        _chunk, last = prefill_chunks(w)
+        before, after = stored_tokens(spec, w.seq, last), stored_tokens(spec, w.seq + 1)
+        moments.append({"temporaries": 0, "kv_cache": _growth_bytes(spec, w, before, after)})
+        if w.attn == "eager":
+            moments.append(_first_layer_attention_moment(spec, w, before, after))
+    return max(moments, key=lambda moment: sum(moment.values()))
+
+
+def _growth_bytes(spec: ModelSpec, w: Workload, before: int, after: int) -> int:
+    """Every layer's cache holding `before` tokens, and one layer's new tensors (`after` tokens)
+    made beside its old ones by torch.cat (see `old_tensors_alive`)."""
+    return kv_cache_bytes(spec, w.batch, before, w.kv_dtype) + old_tensors_alive(spec) * (
+        kv_layer_tensor_bytes(spec, w.batch, after, w.kv_dtype))
+
+
+def _last_step_moment(spec: ModelSpec, w: Workload, final: int) -> dict[str, int]:
+    """The last step's cache growth, with eager attention's repeat of one layer's whole cached K and
+    V to every query head (GQA only; SDPA takes GQA natively without a mask). The growth's old
+    tensors are gone by the time attention repeats the new ones: counting both is an upper bound
+    by one layer's old K (or K and V), about 1 / (2 L) of the cache."""
+    after = stored_tokens(spec, final)
+    repeated = 0
+    if w.attn == "eager":
+        repeated = 2 * repeated_kv_bytes(spec, w.batch, after, DTYPE_BYTES[w.compute_dtype])
+    return {"temporaries": repeated, "kv_cache": _growth_bytes(spec, w, stored_tokens(spec, final - 1), after)}
+
+
+def _first_layer_attention_moment(spec: ModelSpec, w: Workload, before: int, after: int) -> dict[str, int]:
+    """A sliding window's first decode step, in layer 0's eager attention: layer 0's cache replaced
+    (`after` tokens), the others still holding the prompt's storage (`before`), layer 0's K and V
+    repeated to every query head."""
+    layer = kv_layer_tensor_bytes
+    cache = (kv_cache_bytes(spec, w.batch, before, w.kv_dtype) - 2 * layer(spec, w.batch, before, w.kv_dtype)
+             + 2 * layer(spec, w.batch, after, w.kv_dtype))
+    return {"temporaries": 2 * repeated_kv_bytes(spec, w.batch, after, DTYPE_BYTES[w.compute_dtype]),
+            "kv_cache": cache}
+
+
+def training_cache_bytes(spec: ModelSpec, w: Workload) -> int:
+    """Without checkpointing, transformers builds a DynamicCache in training too (`use_cache`
+    defaults to True); it holds every layer's K and V until the output is dropped after the loss.
+    Under autocast its K is an fp32 copy (4 T kv per layer) that SDPA does not keep (it keeps a
+    bf16 cast), so it costs extra bytes; otherwise the cache's K and V are the very tensors
+    attention saves. The chunked loss calls the decoder directly and drops its output, cache
+    included, first."""
+    if not (w.mixed and not w.ac_every and w.loss == "full"):
+        return 0
+    return spec.num_layers * r512(4 * w.batch * w.seq * spec.kv_dim)

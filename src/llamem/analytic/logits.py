@@ -7,14 +7,17 @@ With T tokens and V the vocabulary, at the end of the forward pass:
   + log_softmax output (4 T V, saved).
 In backward, nll_loss's gradient (4TV) and log_softmax's (4TV) sit beside the saved output.
 Chunked loss (torchtune's CEWithChunkedOutputLoss, 8 chunks) upcasts one chunk at a time but
-still keeps every chunk's log_softmax output.
+still keeps every chunk's log_softmax output. Generation computes the logits of the last token
+only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llamem.analytic.common import r512
+from llamem.analytic.common import r512, trains_base_weights
+from llamem.dtypes import DTYPE_BYTES
+from llamem.model import ModelSpec
 from llamem.workload import LOSS_CHUNKS, Workload
 
 
@@ -28,34 +31,89 @@ class LogitsBytes:
     """Head + loss buffers at the worst moment of the loss backward."""
 
 
-def training_logits(workload: Workload, vocab_size: int, hidden_size: int, head_trains: bool,
-                    teacher: bool = False, head_grad_bytes: int = 0) -> LogitsBytes:
+def training_logits(spec: ModelSpec, workload: Workload, distill: bool = False) -> LogitsBytes:
+    """The head's and the loss's buffers of a training step (`distill`: a forward KL against a
+    teacher's logits)."""
+    head_input = _head_input_bytes(spec, workload)
+    if workload.loss == "chunked":
+        return _chunked_loss(spec, workload, head_input)
+    if distill:
+        return _distillation_loss(spec, workload, head_input)
+    return _full_loss(spec, workload, head_input)
+
+
+def _logits_bytes_per_element(workload: Workload) -> int:
+    """The head's output dtype: fp32 under fp32 compute, else 2 bytes (bf16/fp16, autocast too)."""
+    return 4 if workload.compute_dtype == "fp32" else 2
+
+
+def _head_input_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """lm_head keeps its input only when its weight trains. Counted here under autocast only (a
+    bf16 cast of the fp32 final-norm output); in pure precision the input is the final norm's
+    output, counted with the activations."""
+    if not (trains_base_weights(workload) and workload.mixed):
+        return 0
+    return r512(2 * workload.batch * workload.seq * spec.hidden_size)
+
+
+def _labels_bytes(workload: Workload) -> int:
+    """ForCausalLMLoss pads and shifts the labels (two int64 copies); nll_loss adds its scalars."""
     T = workload.batch * workload.seq
-    TV = T * vocab_size
-    # ForCausalLMLoss pads and shifts the labels (two int64 copies); nll_loss adds its scalars.
-    labels = r512(8 * workload.batch * (workload.seq + 1)) + r512(8 * T) + 2 * 512
-    e_logits = 4 if workload.compute_dtype == "fp32" else 2
+    return r512(8 * workload.batch * (workload.seq + 1)) + r512(8 * T) + 2 * 512
+
+
+def _full_loss(spec: ModelSpec, workload: Workload, head_input: int) -> LogitsBytes:
+    """forward: logits e T V + fp32 upcast 4 T V + log_softmax 4 T V + labels; backward: the saved
+    log_softmax beside nll_loss's and log_softmax's gradients (4 T V each) and two scalars."""
+    TV = workload.batch * workload.seq * spec.vocab_size
+    e_logits = _logits_bytes_per_element(workload)
     upcast = r512(4 * TV) if e_logits < 4 else 0
     lsm = r512(4 * TV)
-    # lm_head keeps its input only when its weight trains; under autocast that input is a bf16 cast.
-    head_input = r512((2 if workload.mixed else e_logits) * T * hidden_size) if head_trains else 0
-    if workload.loss == "chunked":
-        chunk = -(-workload.seq // LOSS_CHUNKS) * workload.batch * vocab_size
-        # In pure precision the previous chunk's head output is still referenced while the next
-        # chunk's is made (seen in traces; under autocast the cast chain releases it earlier).
-        held = 1 if workload.mixed else 2
-        forward_peak = (head_input + lsm + held * r512(e_logits * chunk)
-                        + (r512(4 * chunk) if e_logits < 4 else 0))
-        # Each chunk's backward adds its share of the head's weight gradient out of place: the
-        # running sum (weight dtype) and the new part (compute dtype) are alive together.
-        return LogitsBytes(forward_peak, head_input + lsm,
-                           head_input + lsm + r512(4 * chunk) + r512(e_logits * chunk) + head_grad_bytes)
-    if teacher:
-        # Student and teacher logits; log_softmax of the CE and of both KL inputs (their fp32
-        # upcasts die at once); the KL's elementwise terms (t - s, exp(t), their product).
-        # Backward keeps the CE's and the student's log_softmax and exp(t).
-        forward_peak = head_input + r512(e_logits * TV) + r512(2 * TV) + 3 * lsm + 3 * r512(4 * TV) + labels
-        saved = head_input + 3 * lsm
-        return LogitsBytes(forward_peak, saved, saved + r512(4 * TV) + 2 * 512)
-    forward_peak = head_input + r512(e_logits * TV) + upcast + lsm + labels
+    forward_peak = head_input + r512(e_logits * TV) + upcast + lsm + _labels_bytes(workload)
     return LogitsBytes(forward_peak, head_input + lsm, head_input + lsm + 2 * r512(4 * TV) + 2 * 512)
+
+
+def _distillation_loss(spec: ModelSpec, workload: Workload, head_input: int) -> LogitsBytes:
+    """Student and teacher (bf16) logits; log_softmax of the CE and of both KL inputs (their fp32
+    upcasts die at once); the KL's elementwise terms (t - s, exp(t), their product). Backward
+    keeps the CE's and the student's log_softmax and exp(t)."""
+    TV = workload.batch * workload.seq * spec.vocab_size
+    e_logits = _logits_bytes_per_element(workload)
+    lsm = r512(4 * TV)
+    forward_peak = (head_input + r512(e_logits * TV) + r512(2 * TV) + 3 * lsm + 3 * r512(4 * TV)
+                    + _labels_bytes(workload))
+    saved = head_input + 3 * lsm
+    return LogitsBytes(forward_peak, saved, saved + r512(4 * TV) + 2 * 512)
+
+
+def _chunked_loss(spec: ModelSpec, workload: Workload, head_input: int) -> LogitsBytes:
+    """torchtune's CEWithChunkedOutputLoss: every chunk's log_softmax (4 T V in all) is kept; one
+    chunk's logits and fp32 upcast are alive at a time (ceil(s / 8) * b * V elements)."""
+    vocab = spec.vocab_size
+    e_logits = _logits_bytes_per_element(workload)
+    lsm = r512(4 * workload.batch * workload.seq * vocab)
+    chunk = -(-workload.seq // LOSS_CHUNKS) * workload.batch * vocab
+    # In pure precision the previous chunk's head output is still referenced while the next
+    # chunk's is made (seen in traces; under autocast the cast chain releases it earlier).
+    held = 1 if workload.mixed else 2
+    forward_peak = (head_input + lsm + held * r512(e_logits * chunk)
+                    + (r512(4 * chunk) if e_logits < 4 else 0))
+    backward_peak = (head_input + lsm + r512(4 * chunk) + r512(e_logits * chunk)
+                     + _chunked_head_gradient_bytes(spec, workload))
+    return LogitsBytes(forward_peak, head_input + lsm, backward_peak)
+
+
+def _chunked_head_gradient_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """Each chunk's backward adds its share of the head's weight gradient out of place: the
+    running sum (weight dtype) and the new part (compute dtype) are alive together."""
+    if not trains_base_weights(workload):
+        return 0
+    head_numel = spec.vocab_size * spec.hidden_size
+    return (r512(DTYPE_BYTES[workload.weight_dtype] * head_numel)
+            + r512(DTYPE_BYTES[workload.compute_dtype] * head_numel))
+
+
+def decode_logits_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """One decode step's logits (one token per sequence, compute dtype) and their fp32 upcast."""
+    vocab = workload.batch * spec.vocab_size
+    return r512(DTYPE_BYTES[workload.compute_dtype] * vocab) + r512(4 * vocab)

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from llamem.analytic.common import r512
+from llamem.analytic.common import r512, trains_base_weights
 from llamem.analytic.weights import trainable_numels
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -94,3 +94,25 @@ def has_step_temporaries(workload: Workload) -> bool:
     """Whether optimizer.step() makes a parameter-sized temporary per tensor (foreach AdamW's
     sqrt, Adafactor's row x column); SGD and bitsandbytes' fused kernels do not."""
     return workload.optimizer in ("adamw", "adafactor")
+
+
+def step_temporary_bytes(workload: Workload, gradient_total_bytes: int) -> int:
+    """The step's temporaries: one per trainable tensor, as large as its gradient, all alive at
+    once (foreach AdamW's sqrt, Adafactor's row x column); none for SGD and bitsandbytes."""
+    return gradient_total_bytes if has_step_temporaries(workload) else 0
+
+
+def non_layer_gradient_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """Full fine-tuning's gradients outside the decoder layers: the head's (untied), the
+    embedding's and the final norm's, in the weight dtype."""
+    dtype_bytes = DTYPE_BYTES[workload.weight_dtype]
+    head = r512(dtype_bytes * spec.lm_head_params) if spec.lm_head_params else 0
+    return head + r512(dtype_bytes * spec.embedding_params) + r512(dtype_bytes * spec.hidden_size)
+
+
+def layer_gradient_bytes(spec: ModelSpec, workload: Workload, gradient_total_bytes: int) -> int:
+    """One decoder layer's gradients: all of them less those outside the layers, over L (LoRA's
+    adapters all sit in the layers)."""
+    if not trains_base_weights(workload):
+        return gradient_total_bytes // spec.num_layers
+    return (gradient_total_bytes - non_layer_gradient_bytes(spec, workload)) // spec.num_layers

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from llamem.allocator.replay import AllocEvent
 from llamem.analytic import activations as act
-from llamem.analytic.common import r512
+from llamem.analytic.common import r512, trains_base_weights
 from llamem.analytic.kv_cache import kv_layer_tensor_bytes, stored_tokens
 from llamem.analytic.optimizer import BNB_BLOCK, BNB_MIN_8BIT_SIZE, adafactor_state_tensors, has_step_temporaries
+from llamem.analytic.prefill import masked_sdpa_sizes
+from llamem.analytic.schedule_train import LayerTape, backward_layer, forward_layer, norm_backward, norm_forward
 from llamem.analytic.weights import linear_weight_bytes, trainable_numels, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -133,39 +135,15 @@ def _chunked_loss(ev: _Events, spec: ModelSpec, w: Workload, hidden: int | None,
     copies = w.mixed or b > 1
     weight_cast = ev.alloc([r512(2 * V * h)]) if w.mixed else []
     padded = ev.alloc([r512(8 * b * (w.seq + 1))])  # the shifted labels
-    inputs, labels, log_softmax, upcast = [], [], [], []
-    for t in pieces:
-        inputs += ev.alloc([r512(le * t * h)]) if copies else [None]
-        logits = ev.alloc([r512(le * t * V)])
-        previous, upcast = upcast, (ev.alloc([r512(4 * t * V)]) if le < 4 else logits)
-        ev.free((logits if le < 4 else []) + previous)
-        labels += ev.alloc([r512(8 * t)]) if b > 1 else [None]
-        log_softmax += ev.alloc([r512(4 * t * V)])
-    ev.free(([hidden] if copies and hidden is not None else []) + (padded if b > 1 else []) + upcast)
-    accumulated: list[int] = []
-    input_grads: list[int] = []
+    saved, last_upcast = _chunked_loss_forward(ev, spec, w, pieces, copies)
+    ev.free(([hidden] if copies and hidden is not None else []) + (padded if b > 1 else []) + last_upcast)
+    accumulated, input_grads = [], []
     for index in reversed(range(len(pieces))):
-        t = pieces[index]
-        nll_grad = ev.alloc([r512(4 * t * V)])
-        ev.free([labels[index]] if labels[index] is not None else [])
-        softmax_grad = ev.alloc([r512(4 * t * V)])
-        ev.free(nll_grad + [log_softmax[index]])
-        down = []
-        if le < 4:  # the upcast's backward
-            down = ev.alloc([r512(le * t * V)])
-            ev.free(softmax_grad)
-        weight_grad = ev.alloc([r512(le * V * h)]) if head_trains else []
-        input_grad = ev.alloc([r512(le * t * h)])
-        ev.free(down if down else softmax_grad)
-        ev.free((weight_cast if index == 0 else []) + ([inputs[index]] if inputs[index] is not None else []))
-        if weight_grad and accumulated:
-            summed = ev.alloc([r512(le * V * h)])
-            ev.free(accumulated + weight_grad)
-            accumulated = summed
-        else:
-            accumulated = accumulated or weight_grad
+        weight_grad, input_grad = _chunk_backward(ev, spec, w, pieces[index], saved[index], head_trains,
+                                                  weight_cast if index == 0 else [])
+        accumulated = _accumulate(ev, le * V * h, accumulated, weight_grad)
         if w.mixed:  # the cast's backward: the input gradient in fp32
-            fp32 = ev.alloc([r512(4 * t * h)])
+            fp32 = ev.alloc([r512(4 * pieces[index] * h)])
             ev.free(input_grad)
             input_grad = fp32
         input_grads += input_grad
@@ -180,6 +158,56 @@ def _chunked_loss(ev: _Events, spec: ModelSpec, w: Workload, hidden: int | None,
     return accumulated, input_grads
 
 
+def _chunked_loss_forward(ev: _Events, spec: ModelSpec, w: Workload, pieces: list[int],
+                          copies: bool) -> tuple[list[tuple], list[int]]:
+    """Per chunk (of `pieces` tokens): the hidden chunk's copy or cast, the logits, their fp32
+    upcast (the previous chunk's dies), the labels' copy (batch > 1), the log-softmax. Returns
+    each chunk's (input, labels, log-softmax), None where nothing was made, and the last upcast."""
+    h, V = spec.hidden_size, spec.vocab_size
+    le = 2 if w.mixed else act.compute_bytes(w)
+    saved, upcast = [], []
+    for t in pieces:
+        chunk_input = ev.alloc([r512(le * t * h)])[0] if copies else None
+        logits = ev.alloc([r512(le * t * V)])
+        previous, upcast = upcast, (ev.alloc([r512(4 * t * V)]) if le < 4 else logits)
+        ev.free((logits if le < 4 else []) + previous)
+        labels = ev.alloc([r512(8 * t)])[0] if w.batch > 1 else None
+        saved.append((chunk_input, labels, ev.alloc([r512(4 * t * V)])[0]))
+    return saved, upcast
+
+
+def _chunk_backward(ev: _Events, spec: ModelSpec, w: Workload, t: int, saved: list, head_trains: bool,
+                    weight_cast: list[int]) -> tuple[list[int], list[int]]:
+    """One chunk's loss backward (`t` tokens): nll_loss's and log_softmax's gradients, the upcast's
+    backward, the head's weight gradient (if it trains) and input gradient.
+    `saved`: the chunk's input copy, labels and log-softmax."""
+    h, V = spec.hidden_size, spec.vocab_size
+    le = 2 if w.mixed else act.compute_bytes(w)
+    chunk_input, chunk_labels, chunk_log_softmax = saved
+    nll_grad = ev.alloc([r512(4 * t * V)])
+    ev.free([chunk_labels] if chunk_labels is not None else [])
+    softmax_grad = ev.alloc([r512(4 * t * V)])
+    ev.free(nll_grad + [chunk_log_softmax])
+    down = []
+    if le < 4:  # the upcast's backward
+        down = ev.alloc([r512(le * t * V)])
+        ev.free(softmax_grad)
+    weight_grad = ev.alloc([r512(le * V * h)]) if head_trains else []
+    input_grad = ev.alloc([r512(le * t * h)])
+    ev.free(down if down else softmax_grad)
+    ev.free(weight_cast + ([chunk_input] if chunk_input is not None else []))
+    return weight_grad, input_grad
+
+
+def _accumulate(ev: _Events, size: int, accumulated: list[int], weight_grad: list[int]) -> list[int]:
+    """The head's weight gradient summed out of place over the chunks."""
+    if weight_grad and accumulated:
+        summed = ev.alloc([r512(size)])
+        ev.free(accumulated + weight_grad)
+        return summed
+    return accumulated or weight_grad
+
+
 def _causal_mask(ev: _Events, size: int) -> list[int]:
     """The bool (b, 1, s, s) mask transformers materialises when SDPA gets no cache: causal,
     then padding, each step a new tensor."""
@@ -192,62 +220,102 @@ def _causal_mask(ev: _Events, size: int) -> list[int]:
 
 def _op_level_training(spec: ModelSpec, w: Workload, ev: _Events, head: list[int], tail: list[int],
                        grad_sizes: list[int], state_sizes: list[int]) -> list[AllocEvent]:
-    from llamem.analytic.schedule_train import LayerTape, _norm, backward_layer, forward_layer, norm_backward
-
-    T, h = w.batch * w.seq, spec.hidden_size
-    e = act.compute_bytes(w)
-    stream = r512((4 if w.mixed else e) * T * h)
-    fp32_stream = w.mixed or e == 4
-    train_all = w.task in ("train", "distill")
+    """Two steps (the second sees the cache the first left): forward, loss, backward, the
+    embedding's gradient, the optimizer step (its state made in the first)."""
     for step in range(2):
-        step_inputs = ev.alloc([r512(8 * T)])  # input ids
-        embeds = ev.alloc([stream])[0]
-        if w.ac_every:
-            step_inputs += _causal_mask(ev, r512(w.batch * w.seq * w.seq)) + ev.alloc([r512(8 * w.seq)])  # positions
-        x, tapes, stream_end, inputs = embeds, [], [], []
-        for index in range(spec.num_layers):
-            checkpointed = act.is_checkpointed(w, index)
-            tape = LayerTape(ev, index, no_grad=checkpointed)
-            output = forward_layer(tape, spec, w, index, stream_end)
-            if checkpointed:  # nothing saved; the checkpoint keeps the layer's input
-                tape = None
-                inputs.append(x)
-            else:
-                inputs.append(None)
-                if x != embeds and not fp32_stream and not (index and act.is_checkpointed(w, index - 1)):
-                    ev.free([x])  # the layer loop's reference to the previous output
-            tapes.append(tape)
-            x = output
-        final = LayerTape(ev, spec.num_layers)
-        hidden = _norm(final, T, h, e, w.mixed, True, train_all,
-                       out_keep=train_all and not w.mixed and w.loss != "chunked")
-        if fp32_stream and spec.num_layers and tapes[-1] is None:
-            final.saved["norm.input"] = x  # the fp32 stream itself is what the norm saves
-        elif x != embeds and not fp32_stream:
-            ev.free([x])  # the model's reference to the last layer's output is replaced
-        head_grad, hidden_grad = _loss(ev, spec, w, r512((2 if w.mixed else e) * T * h),
-                                       None if "norm.out" in final.saved else hidden, train_all)
-        ev.free(stream_end)
-        final.release("norm.out")
-        tied_grad = head_grad if head_grad and not spec.lm_head_params else []
-        grads = (head_grad if spec.lm_head_params else []) + ev.alloc(head[:1] if head_grad else head)
-        grad = norm_backward(final, T, h, e, w.mixed, train_all, hidden_grad[0])
-        final.release_all()
-        for index in reversed(range(spec.num_layers)):
-            tape = tapes[index]
-            if tape is None:  # recompute the checkpointed layer (up to its last saved tensor)
-                tape = LayerTape(ev, index, recompute=True)
-                output = forward_layer(tape, spec, w, index, [])
-                ev.free([output] if output is not None else [])
-            grad = backward_layer(tape, spec, w, grads, grad)
-            if inputs[index] is not None and inputs[index] != embeds:
-                ev.free([inputs[index]])
+        step_inputs, embeds = _step_inputs(ev, spec, w)
+        x, tapes, stream_end, inputs = _forward_layers(ev, spec, w, embeds)
+        grads, grad, tied_grad = _head_and_loss(ev, spec, w, x, embeds, tapes, stream_end, head)
+        grad = _backward_layers(ev, spec, w, tapes, inputs, embeds, grads, grad)
         tail_grads = ev.alloc(tail)  # the embedding's backward
         ev.free([grad] + tied_grad)  # a tied head's two gradients are summed out of place
-        ev.free([embeds] if (w.ac_every or not fp32_stream) else [])
+        ev.free([embeds] if (w.ac_every or not _fp32_stream(w)) else [])
         ev.free(step_inputs)
         _optimizer_step(ev, w, grads + tail_grads, grad_sizes, state_sizes if step == 0 else [])
     return ev.events
+
+
+def _stream_bytes(spec: ModelSpec, w: Workload) -> int:
+    """One residual-stream tensor: fp32 under autocast, else the compute dtype."""
+    return r512((4 if w.mixed else act.compute_bytes(w)) * w.batch * w.seq * spec.hidden_size)
+
+
+def _fp32_stream(w: Workload) -> bool:
+    """The residual stream is fp32 (autocast or fp32 compute): the next norm saves it."""
+    return w.mixed or act.compute_bytes(w) == 4
+
+
+def _step_inputs(ev: _Events, spec: ModelSpec, w: Workload) -> tuple[list[int], int]:
+    """Input ids, the embedding output; with checkpointing (no cache) also the materialised causal
+    mask and the positions. Returns (what dies at the end of the step, the embedding output)."""
+    step_inputs = ev.alloc([r512(8 * w.batch * w.seq)])  # input ids
+    embeds = ev.alloc([_stream_bytes(spec, w)])[0]
+    if w.ac_every:
+        step_inputs += _causal_mask(ev, r512(w.batch * w.seq * w.seq)) + ev.alloc([r512(8 * w.seq)])  # positions
+    return step_inputs, embeds
+
+
+def _forward_layers(ev: _Events, spec: ModelSpec, w: Workload,
+                    embeds: int) -> tuple[int, list[LayerTape | None], list[int], list[int | None]]:
+    """Every decoder layer's forward. Returns the last output, each layer's tape (None when
+    checkpointed: nothing saved), the cache copies alive until the end of forward, and each
+    checkpointed layer's input (kept by its checkpoint)."""
+    x, tapes, stream_end, inputs = embeds, [], [], []
+    for index in range(spec.num_layers):
+        checkpointed = act.is_checkpointed(w, index)
+        tape = LayerTape(ev, index, no_grad=checkpointed)
+        output = forward_layer(tape, spec, w, index, stream_end)
+        if checkpointed:  # nothing saved; the checkpoint keeps the layer's input
+            tape = None
+            inputs.append(x)
+        else:
+            inputs.append(None)
+            if x != embeds and not _fp32_stream(w) and not (index and act.is_checkpointed(w, index - 1)):
+                ev.free([x])  # the layer loop's reference to the previous output
+        tapes.append(tape)
+        x = output
+    return x, tapes, stream_end, inputs
+
+
+def _head_and_loss(ev: _Events, spec: ModelSpec, w: Workload, x: int, embeds: int, tapes: list[LayerTape | None],
+                   stream_end: list[int], head: list[int]) -> tuple[list[int], int, list[int]]:
+    """The final norm, the head and the loss, forward and backward, and the final norm's backward.
+    Returns the gradients made so far (the head's), the last layer's output gradient, and a tied
+    head's gradient (summed with the embedding's at the end)."""
+    T, h, e = w.batch * w.seq, spec.hidden_size, act.compute_bytes(w)
+    train_all = trains_base_weights(w)
+    final = LayerTape(ev, spec.num_layers)
+    hidden = norm_forward(final, T, h, e, w.mixed, True, train_all,
+                          out_keep=train_all and not w.mixed and w.loss != "chunked")
+    if _fp32_stream(w) and spec.num_layers and tapes[-1] is None:
+        final.saved["norm.input"] = x  # the fp32 stream itself is what the norm saves
+    elif x != embeds and not _fp32_stream(w):
+        ev.free([x])  # the model's reference to the last layer's output is replaced
+    head_grad, hidden_grad = _loss(ev, spec, w, r512((2 if w.mixed else e) * T * h),
+                                   None if "norm.out" in final.saved else hidden, train_all)
+    ev.free(stream_end)
+    final.release("norm.out")
+    tied_grad = head_grad if head_grad and not spec.lm_head_params else []
+    grads = (head_grad if spec.lm_head_params else []) + ev.alloc(head[:1] if head_grad else head)
+    grad = norm_backward(final, T, h, e, w.mixed, train_all, hidden_grad[0])
+    final.release_all()
+    return grads, grad, tied_grad
+
+
+def _backward_layers(ev: _Events, spec: ModelSpec, w: Workload, tapes: list[LayerTape | None],
+                     inputs: list[int | None], embeds: int, grads: list[int], grad: int) -> int:
+    """Every layer's backward, top down; a checkpointed layer is recomputed first (up to its last
+    saved tensor) and its input dies after its backward. Returns the embedding output's gradient."""
+    for index in reversed(range(spec.num_layers)):
+        tape = tapes[index]
+        if tape is None:  # recompute the checkpointed layer (up to its last saved tensor)
+            tape = LayerTape(ev, index, recompute=True)
+            output = forward_layer(tape, spec, w, index, [])
+            ev.free([output] if output is not None else [])
+        grad = backward_layer(tape, spec, w, grads, grad)
+        if inputs[index] is not None and inputs[index] != embeds:
+            ev.free([inputs[index]])
+    return grad
 
 
 def optimizer_state_tensors(w: Workload, numels: list[int], param_bytes: list[int]) -> list[int]:
@@ -366,7 +434,7 @@ def _prefill_growth(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list[
     for layer in range(spec.num_layers):
         _grow_cache(ev, spec, w, cache, layer, keys)
         if w.attn == "sdpa":
-            ev.free(ev.alloc(act.masked_sdpa_sizes(spec, w, new, keys)))
+            ev.free(ev.alloc(masked_sdpa_sizes(spec, w, new, keys)))
     ev.free(mask)
 
 
@@ -390,7 +458,7 @@ def _prefill_forward(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list
         ev.free([q_proj, k_proj])
         _grow_cache(ev, spec, w, cache, layer, keys)
         ev.free([k_rot, v_proj])
-        extra = ev.alloc(act.masked_sdpa_sizes(spec, w, new, keys)) if masked and w.attn == "sdpa" else []
+        extra = ev.alloc(masked_sdpa_sizes(spec, w, new, keys)) if masked and w.attn == "sdpa" else []
         attn = ev.alloc([r512(e * T * q)])
         ev.free(ev.alloc([r512(4 * w.batch * spec.num_heads * new)]))  # logsumexp
         ev.free(extra)

@@ -51,7 +51,7 @@ class LayerTape:
         self.release(*list(self.saved))
 
 
-def _norm(tape: LayerTape, T: int, h: int, e: int, mixed: bool, input_rg: bool, weight_trains: bool,
+def norm_forward(tape: LayerTape, T: int, h: int, e: int, mixed: bool, input_rg: bool, weight_trains: bool,
           out_keep: bool, prefix: str = "norm") -> int:
     """LlamaRMSNorm forward in its allocation order. Saves the fp32 upcast and rsqrt (for the
     input's gradient) and the normalised input (for the weight's); `out_keep`: the next
@@ -153,106 +153,169 @@ def forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, str
 
 
 def _forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, stream_end: list[int]) -> int:
-    T, b, s = w.batch * w.seq, w.batch, w.seq
-    h, q, kv, I = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
-    e, mixed = act.compute_bytes(w), w.mixed
     flags = act.layer_flags(w, index)
-    targets, rank = flags.targets, w.lora_rank
-    train_all = flags.train_all
-    shapes = spec.layer_linear_shapes()
-    ae = 2 if mixed else e
+    T, e = w.batch * w.seq, act.compute_bytes(w)
+    y = norm_forward(tape, T, spec.hidden_size, e, w.mixed, flags.input_requires_grad, flags.train_all,
+                     out_keep=flags.train_all and not w.mixed, prefix="norm1")
+    h1 = _attention_forward(tape, spec, w, flags, y, stream_end)
+    return _mlp_forward(tape, spec, w, flags, h1)
 
-    def linear(name: str, x_rg: bool = True) -> int:
-        fan_in, fan_out = shapes[name]
-        if mixed:
-            copy = tape.new(2 * fan_in * fan_out)  # autocast's weight cast, cached for the step
-            cast = tape.new(2 * T * fan_in)
-            out = tape.new(2 * T * fan_out)
-            tape.save(f"{name}.copy", copy, x_rg or train_all)
-            tape.save(f"{name}.cast", cast, train_all)
-            tape.drop(copy, cast)
-            return out
-        dequant = tape.new(2 * fan_in * fan_out) if w.quant != "none" else None
-        base = tape.new(e * T * fan_out)
-        tape.drop(dequant)
-        if name not in targets:
-            return base
-        cast = tape.new(4 * T * fan_in) if e < 4 else None  # the input cast to the fp32 adapter
-        tape.save(f"{name}.lora_in", cast)
-        lora_a = tape.new(4 * T * rank)
-        tape.save(f"{name}.lora_a", lora_a)
-        if tape.recompute and name == "down_proj":
-            raise _Stop
-        lora_b = tape.new(4 * T * fan_out)
-        tape.drop(lora_a)
-        scaled = tape.new(4 * T * fan_out)
-        tape.drop(lora_b)
-        summed = tape.new(4 * T * fan_out)
-        tape.drop(scaled, base)
-        result = tape.new(e * T * fan_out)
-        tape.drop(summed, cast)  # peft's forward holds the cast input until it returns
-        return result
 
-    y = _norm(tape, T, h, e, mixed, flags.input_requires_grad, train_all, out_keep=train_all and not mixed,
-              prefix="norm1")
-    attn_rg = flags.input_requires_grad or bool(targets & {"q_proj", "k_proj", "v_proj"})
-    q_out, k_out, v_out = (linear(n, flags.input_requires_grad) for n in ("q_proj", "k_proj", "v_proj"))
-    rope_bytes = 4 if mixed else e
-    q_rot = _rope(tape, rope_bytes * T * q, ae * T * q // 2)
-    k_rot = _rope(tape, rope_bytes * T * kv, ae * T * kv // 2)
-    tape.drop(q_out, k_out)
-    key, value, mask = k_rot, v_out, None
-    if w.ac_every:
-        if spec.gqa_groups > 1:  # repeat_kv: SDPA without a cache gets every head's copy
-            key, value = tape.new(rope_bytes * T * q), tape.new(ae * T * q)
-        if mixed:
-            tape.drop(key)
-        mask = tape.new(ae * b * s * s)  # the mask in the compute dtype
-        tape.save("mask", mask, attn_rg)
-    else:
-        cache_k, cache_v = tape.new(rope_bytes * T * kv), tape.new(ae * T * kv)
-        key, value = cache_k, cache_v
-        if mixed:
-            stream_end.append(cache_k)
-    if mixed:
+def _linear(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act.LayerFlags, name: str,
+            x_rg: bool = True) -> int:
+    """One projection's forward: autocast's casts, or a (dequantized) base matmul and, when the
+    linear is adapted, LoRA's chain. `x_rg`: the input needs a gradient."""
+    fan_in, fan_out = spec.layer_linear_shapes()[name]
+    T = w.batch * w.seq
+    if w.mixed:
+        return _autocast_linear(tape, name, T, fan_in, fan_out, x_rg or flags.train_all, flags.train_all)
+    dequant = tape.new(2 * fan_in * fan_out) if w.quant != "none" else None
+    base = tape.new(act.compute_bytes(w) * T * fan_out)
+    tape.drop(dequant)
+    if name not in flags.targets:
+        return base
+    return _lora_linear(tape, w, name, fan_in, fan_out, base)
+
+
+def _autocast_linear(tape: LayerTape, name: str, T: int, fan_in: int, fan_out: int, copy_kept: bool,
+                     trains: bool) -> int:
+    """bf16 autocast: the weight's cast (cached for the step; autograd keeps it for the input's
+    gradient), the input's cast (kept for the weight's), the bf16 output."""
+    copy = tape.new(2 * fan_in * fan_out)
+    cast = tape.new(2 * T * fan_in)
+    out = tape.new(2 * T * fan_out)
+    tape.save(f"{name}.copy", copy, copy_kept)
+    tape.save(f"{name}.cast", cast, trains)
+    tape.drop(copy, cast)
+    return out
+
+
+def _lora_linear(tape: LayerTape, w: Workload, name: str, fan_in: int, fan_out: int, base: int) -> int:
+    """peft's LoRA forward on a frozen base output: the input cast to the fp32 adapter, lora_A,
+    lora_B, the scaling, the sum with the base output and the cast back."""
+    T, e, rank = w.batch * w.seq, act.compute_bytes(w), w.lora_rank
+    cast = tape.new(4 * T * fan_in) if e < 4 else None  # the input cast to the fp32 adapter
+    tape.save(f"{name}.lora_in", cast)
+    lora_a = tape.new(4 * T * rank)
+    tape.save(f"{name}.lora_a", lora_a)
+    if tape.recompute and name == "down_proj":
+        raise _Stop
+    lora_b = tape.new(4 * T * fan_out)
+    tape.drop(lora_a)
+    scaled = tape.new(4 * T * fan_out)
+    tape.drop(lora_b)
+    summed = tape.new(4 * T * fan_out)
+    tape.drop(scaled, base)
+    result = tape.new(e * T * fan_out)
+    tape.drop(summed, cast)  # peft's forward holds the cast input until it returns
+    return result
+
+
+def _attention_forward(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act.LayerFlags, y: int,
+                       stream_end: list[int]) -> int:
+    """Self-attention from the input norm's output `y` to the residual mid-point h1."""
+    T, q, kv = w.batch * w.seq, spec.q_dim, spec.kv_dim
+    attn_rg = flags.input_requires_grad or bool(flags.targets & {"q_proj", "k_proj", "v_proj"})
+    q_out, k_out, v_out = (_linear(tape, spec, w, flags, n, flags.input_requires_grad)
+                           for n in ("q_proj", "k_proj", "v_proj"))
+    q_rot, k_rot = _rope_qk(tape, spec, w, q_out, k_out)
+    key, value, mask = _attention_keys(tape, spec, w, attn_rg, k_rot, v_out, stream_end)
+    query = q_rot
+    if w.mixed:  # SDPA's bf16 casts of the fp32 RoPE outputs
         key = tape.new(2 * T * kv)
         query = tape.new(2 * T * q)
-    else:
-        query = q_rot
+    attention, lse = _sdpa(tape, spec, w, attn_rg, (query, key, value, mask), k_rot)
+    tape.save("o_proj.in", attention, flags.train_all and not w.mixed)
+    o = _linear(tape, spec, w, flags, "o_proj")
+    tape.drop(attention, lse, mask, query, q_rot, key, value, k_rot, v_out, y)
+    h1 = tape.new((4 if w.mixed else act.compute_bytes(w)) * T * spec.hidden_size)
+    tape.save("h1", h1, w.mixed or act.compute_bytes(w) == 4)
+    tape.drop(o)
+    return h1
+
+
+def _rope_qk(tape: LayerTape, spec: ModelSpec, w: Workload, q_out: int, k_out: int) -> tuple[int, int]:
+    """RoPE on q and k (fp32 under autocast: cos and sin are fp32); the projections die."""
+    T, ae = w.batch * w.seq, 2 if w.mixed else act.compute_bytes(w)
+    rope_bytes = 4 if w.mixed else act.compute_bytes(w)
+    q_rot = _rope(tape, rope_bytes * T * spec.q_dim, ae * T * spec.q_dim // 2)
+    k_rot = _rope(tape, rope_bytes * T * spec.kv_dim, ae * T * spec.kv_dim // 2)
+    tape.drop(q_out, k_out)
+    return q_rot, k_rot
+
+
+def _attention_keys(tape: LayerTape, spec: ModelSpec, w: Workload, attn_rg: bool, k_rot: int, v_out: int,
+                    stream_end: list[int]) -> tuple[int, int, int | None]:
+    """(key, value, mask) as SDPA gets them. Without a cache (checkpointing): the materialised mask
+    in the compute dtype and, with grouped-query attention, K and V repeated to every head. With
+    the cache: its K and V (an fp32 K under autocast, alive until the end of forward)."""
+    T, q, kv = w.batch * w.seq, spec.q_dim, spec.kv_dim
+    ae = 2 if w.mixed else act.compute_bytes(w)
+    rope_bytes = 4 if w.mixed else act.compute_bytes(w)
+    if not w.ac_every:
+        cache_k, cache_v = tape.new(rope_bytes * T * kv), tape.new(ae * T * kv)
+        if w.mixed:
+            stream_end.append(cache_k)
+        return cache_k, cache_v, None
+    key, value = k_rot, v_out
+    if spec.gqa_groups > 1:  # repeat_kv: SDPA without a cache gets every head's copy
+        key, value = tape.new(rope_bytes * T * q), tape.new(ae * T * q)
+    if w.mixed:
+        tape.drop(key)
+    mask = tape.new(ae * w.batch * w.seq * w.seq)  # the mask in the compute dtype
+    tape.save("mask", mask, attn_rg)
+    return key, value, mask
+
+
+def _sdpa(tape: LayerTape, spec: ModelSpec, w: Workload, attn_rg: bool,
+          inputs: tuple[int, int, int, int | None], k_rot: int) -> tuple[int, int]:
+    """SDPA keeps its inputs, the output and the fp32 logsumexp; repeated K/V and the mask of
+    pure precision die with the call."""
+    query, key, value, mask = inputs
     tape.save("query", query, attn_rg)
     tape.save("key", key, attn_rg)
     tape.save("value", value, attn_rg)
-    attention = tape.new(ae * T * q)
-    tape.drop(mask, *((key, value) if key != k_rot and not mixed else ()))
+    attention = tape.new((2 if w.mixed else act.compute_bytes(w)) * w.batch * w.seq * spec.q_dim)
+    tape.drop(mask, *((key, value) if key != k_rot and not w.mixed else ()))
     tape.save("attention", attention, attn_rg)
-    lse = tape.new(4 * b * spec.num_heads * s)
+    lse = tape.new(4 * w.batch * spec.num_heads * w.seq)
     tape.save("lse", lse, attn_rg)
-    tape.save("o_proj.in", attention, train_all and not mixed)
-    o = linear("o_proj")
-    tape.drop(attention, lse, mask, query, q_rot, key, value, k_rot, v_out, y)
-    h1 = tape.new((4 if mixed else e) * T * h)
-    tape.save("h1", h1, mixed or e == 4)
-    tape.drop(o)
-    y2 = _norm(tape, T, h, e, mixed, True, train_all, out_keep=train_all and not mixed, prefix="norm2")
-    gate = linear("gate_proj")
-    tape.save("gate", gate)
-    silu = tape.new(ae * T * I)
-    tape.save("silu", silu)
-    tape.drop(gate)
-    up = linear("up_proj")
-    tape.save("up", up)
-    product = tape.new(ae * T * I)
-    tape.save("product", product, train_all and not mixed)
-    tape.drop(silu, up)
-    if tape.recompute and "down_proj" not in targets:
+    return attention, lse
+
+
+def _mlp_forward(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act.LayerFlags, h1: int) -> int:
+    """The post-attention norm and SwiGLU MLP, from h1 to the layer output h2. A recomputation
+    stops after the product unless down_proj is adapted (its LoRA chain saves more)."""
+    T, h = w.batch * w.seq, spec.hidden_size
+    e, mixed = act.compute_bytes(w), w.mixed
+    y2 = norm_forward(tape, T, h, e, mixed, True, flags.train_all, out_keep=flags.train_all and not mixed,
+                      prefix="norm2")
+    product = _swiglu(tape, spec, w, flags)
+    if tape.recompute and "down_proj" not in flags.targets:
         tape.drop(product, y2, h1)
         raise _Stop
-    down = linear("down_proj")
+    down = _linear(tape, spec, w, flags, "down_proj")
     tape.drop(product, y2)
     h2 = tape.new((4 if mixed else e) * T * h)
     tape.save("h2", h2, mixed or e == 4)
     tape.drop(down, h1)
     return h2
+
+
+def _swiglu(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act.LayerFlags) -> int:
+    """gate, silu(gate), up and their product, each saved where its backward needs it."""
+    ae_TI = (2 if w.mixed else act.compute_bytes(w)) * w.batch * w.seq * spec.intermediate_size
+    gate = _linear(tape, spec, w, flags, "gate_proj")
+    tape.save("gate", gate)
+    silu = tape.new(ae_TI)
+    tape.save("silu", silu)
+    tape.drop(gate)
+    up = _linear(tape, spec, w, flags, "up_proj")
+    tape.save("up", up)
+    product = tape.new(ae_TI)
+    tape.save("product", product, flags.train_all and not w.mixed)
+    tape.drop(silu, up)
+    return product
 
 
 def _linear_backward(tape: LayerTape, spec: ModelSpec, w: Workload, name: str, grad: int, trains: bool,
@@ -262,29 +325,54 @@ def _linear_backward(tape: LayerTape, spec: ModelSpec, w: Workload, name: str, g
     unless that is the residual stream's (`residual`), which its sum still reads."""
     fan_in, fan_out = spec.layer_linear_shapes()[name]
     T = w.batch * w.seq
-    if residual and w.mixed:  # autocast: the bf16 output's gradient is a cast of the stream's
-        grad = tape.new(2 * T * fan_out)
-    keep = [grad] if residual and not w.mixed else []
-    e, ev = act.compute_bytes(w), tape.ev
     if w.mixed:
-        if trains:
-            low = tape.new(2 * fan_in * fan_out)
-            grads.append(tape.new(4 * fan_in * fan_out))  # the weight cast's backward: the fp32 gradient
-            ev.free([low])
-        g_low = tape.new(2 * T * fan_in)
-        tape.release(f"{name}.cast", *last_use)
-        ev.free([grad])
-        g_in = tape.new(4 * T * fan_in)  # the input cast's backward
-        ev.free([g_low])
-        return g_in
+        if residual:  # autocast: the bf16 output's gradient is a cast of the stream's
+            grad = tape.new(2 * T * fan_out)
+        return _autocast_linear_backward(tape, name, T, fan_in, fan_out, grad, trains, grads, last_use)
+    e = act.compute_bytes(w)
     if trains:
         grads.append(tape.new(DTYPE_BYTES[w.weight_dtype] * fan_in * fan_out))
     if f"{name}.lora_a" not in tape.saved:
         g_in = tape.new(e * T * fan_in)
-        tape.release(*last_use)
-        ev.free([grad] if not keep else [])
+        _done_with(tape, grad, last_use, residual)
         return g_in
-    rank = w.lora_rank
+    g_lora = _lora_backward(tape, w, name, fan_in, fan_out, grads)
+    g_base = tape.new(e * T * fan_in)
+    _done_with(tape, grad, last_use, residual)
+    g_in = tape.new(e * T * fan_in)  # the base's and the adapter's input gradients summed
+    tape.ev.free([g_lora, g_base])
+    return g_in
+
+
+def _done_with(tape: LayerTape, grad: int, last_use: tuple[str, ...], residual: bool) -> None:
+    """Autograd is done with the `last_use` saves and the output's gradient, unless that is the
+    residual stream's, which its sum still reads."""
+    tape.release(*last_use)
+    tape.ev.free([grad] if not residual else [])
+
+
+def _autocast_linear_backward(tape: LayerTape, name: str, T: int, fan_in: int, fan_out: int, grad: int,
+                              trains: bool, grads: list[int], last_use: tuple[str, ...]) -> int:
+    """bf16 autocast: the weight's gradient in bf16, then its cast's backward (fp32); the input's
+    gradient in bf16, then its cast's backward (fp32)."""
+    ev = tape.ev
+    if trains:
+        low = tape.new(2 * fan_in * fan_out)
+        grads.append(tape.new(4 * fan_in * fan_out))  # the weight cast's backward: the fp32 gradient
+        ev.free([low])
+    g_low = tape.new(2 * T * fan_in)
+    tape.release(f"{name}.cast", *last_use)
+    ev.free([grad])
+    g_in = tape.new(4 * T * fan_in)  # the input cast's backward
+    ev.free([g_low])
+    return g_in
+
+
+def _lora_backward(tape: LayerTape, w: Workload, name: str, fan_in: int, fan_out: int, grads: list[int]) -> int:
+    """peft's adapter chain backward: the result cast's and the scaling's gradients (fp32), lora_B's
+    weight gradient, lora_A's output gradient, lora_A's weight gradient, the input cast's gradient,
+    cast back to the compute dtype (returned)."""
+    T, e, rank, ev = w.batch * w.seq, act.compute_bytes(w), w.lora_rank, tape.ev
     g32 = tape.new(4 * T * fan_out)  # the result cast's backward
     g_scaled = tape.new(4 * T * fan_out)
     ev.free([g32])
@@ -298,12 +386,7 @@ def _linear_backward(tape: LayerTape, spec: ModelSpec, w: Workload, name: str, g
     ev.free([g_a])
     g_lora = tape.new(e * T * fan_in)
     ev.free([g_cast])
-    g_base = tape.new(e * T * fan_in)
-    tape.release(*last_use)
-    ev.free([grad] if not keep else [])
-    g_in = tape.new(e * T * fan_in)
-    ev.free([g_lora, g_base])
-    return g_in
+    return g_lora
 
 
 def _sum(tape: LayerTape, size: int, *inputs: int) -> int:
@@ -317,57 +400,83 @@ def backward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, grads: list[in
     """One layer's backward in autograd's order (traced on transformers 5.x): the MLP, the
     post-attention norm, attention with RoPE, the input norm, each residual's sum. Takes the
     output's gradient and returns the input's; weight gradients go to `grads`."""
-    T = w.batch * w.seq
-    h, q, kv, I = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
-    e, mixed = act.compute_bytes(w), w.mixed
-    ae = 2 if mixed else e
-    stream = (4 if mixed else e) * T * h
-    flags = act.layer_flags(w, tape.index)
-    train_all = flags.train_all
-    norm_grad = DTYPE_BYTES[w.weight_dtype] * h
-    ev = tape.ev
-
-    def linear(name: str, g: int, *last_use: str, residual: bool = False) -> int:
-        return _linear_backward(tape, spec, w, name, g, train_all, grads, last_use, residual)
-
-    g_product = linear("down_proj", grad, "product", residual=True)
-    g_up, g_silu = tape.new(ae * T * I), tape.new(ae * T * I)
-    tape.release("silu", "up")
-    ev.free([g_product])
-    g_x_up = linear("up_proj", g_up)
-    g_gate = tape.new(ae * T * I)
-    tape.release("gate")
-    ev.free([g_silu])
-    g_x_gate = linear("gate_proj", g_gate, "norm2.out")
-    g_norm2_out = _sum(tape, (4 if mixed else e) * T * h, g_x_up, g_x_gate)
-    g_norm2_in = norm_backward(tape, T, h, e, mixed, train_all, g_norm2_out, prefix="norm2")
-    if train_all:
-        grads.append(tape.new(norm_grad))
-    g_h1 = _sum(tape, stream, grad, g_norm2_in)
-    tape.release("h2")
-    g_attention = linear("o_proj", g_h1, "o_proj.in", residual=True)
-    repeated = q if (w.ac_every and spec.gqa_groups > 1) else kv
-    g_q, g_k, g_v = tape.new(ae * T * q), tape.new(ae * T * repeated), tape.new(ae * T * repeated)
-    tape.release("attention", "lse", "query", "key", "value", "mask")
-    ev.free([g_attention])
-    if repeated != kv:  # repeat_kv's backward sums the copies back to the key-value heads
-        g_k = _sum(tape, ae * T * kv, g_k)
-        g_v = _sum(tape, ae * T * kv, g_v)
-    rope_bytes = 4 if mixed else e
-    g_k = _rope_backward(tape, rope_bytes * T * kv, ae * T * kv // 2, g_k)
-    g_q = _rope_backward(tape, rope_bytes * T * q, ae * T * q // 2, g_q)
-    g_x = linear("v_proj", g_v)
-    g_k_flat = tape.new(ae * T * kv)  # the transposed gradient made contiguous
-    ev.free([g_k])
-    g_x = _sum(tape, (4 if mixed else e) * T * h, g_x, linear("k_proj", g_k_flat))
-    g_q_flat = tape.new(ae * T * q)
-    ev.free([g_q])
-    g_x = _sum(tape, (4 if mixed else e) * T * h, g_x, linear("q_proj", g_q_flat, "norm1.out"))
-    g_norm1_in = norm_backward(tape, T, h, e, mixed, train_all, g_x, prefix="norm1")
-    if train_all:
-        grads.append(tape.new(norm_grad))
-    g_in = _sum(tape, stream, g_h1, g_norm1_in)
+    g_h1 = _mlp_backward(tape, spec, w, grads, grad)
+    g_in = _attention_backward(tape, spec, w, grads, g_h1)
     tape.release("h1")
     tape.release_all()
     return g_in
 
+
+def _stream_numel_bytes(spec: ModelSpec, w: Workload) -> int:
+    """Bytes of one residual-stream tensor (or its gradient): fp32 under autocast."""
+    return (4 if w.mixed else act.compute_bytes(w)) * w.batch * w.seq * spec.hidden_size
+
+
+def _mlp_backward(tape: LayerTape, spec: ModelSpec, w: Workload, grads: list[int], grad: int) -> int:
+    """down_proj, SwiGLU, up and gate, the post-attention norm; returns the gradient of the
+    residual mid-point h1 (the output's gradient plus the norm input's)."""
+    train_all = act.layer_flags(w, tape.index).train_all
+    ae_TI = (2 if w.mixed else act.compute_bytes(w)) * w.batch * w.seq * spec.intermediate_size
+    g_product = _linear_backward(tape, spec, w, "down_proj", grad, train_all, grads, ("product",), residual=True)
+    g_up, g_silu = tape.new(ae_TI), tape.new(ae_TI)
+    tape.release("silu", "up")
+    tape.ev.free([g_product])
+    g_x_up = _linear_backward(tape, spec, w, "up_proj", g_up, train_all, grads)
+    g_gate = tape.new(ae_TI)
+    tape.release("gate")
+    tape.ev.free([g_silu])
+    g_x_gate = _linear_backward(tape, spec, w, "gate_proj", g_gate, train_all, grads, ("norm2.out",))
+    g_norm2_out = _sum(tape, _stream_numel_bytes(spec, w), g_x_up, g_x_gate)
+    g_norm2_in = _layer_norm_backward(tape, spec, w, grads, g_norm2_out, "norm2")
+    g_h1 = _sum(tape, _stream_numel_bytes(spec, w), grad, g_norm2_in)
+    tape.release("h2")
+    return g_h1
+
+
+def _layer_norm_backward(tape: LayerTape, spec: ModelSpec, w: Workload, grads: list[int], grad: int,
+                         prefix: str) -> int:
+    """A decoder layer's RMSNorm backward, then its weight's gradient (when it trains)."""
+    train_all = act.layer_flags(w, tape.index).train_all
+    g_in = norm_backward(tape, w.batch * w.seq, spec.hidden_size, act.compute_bytes(w), w.mixed, train_all,
+                         grad, prefix=prefix)
+    if train_all:
+        grads.append(tape.new(DTYPE_BYTES[w.weight_dtype] * spec.hidden_size))
+    return g_in
+
+
+def _attention_backward(tape: LayerTape, spec: ModelSpec, w: Workload, grads: list[int], g_h1: int) -> int:
+    """o_proj, SDPA, RoPE, the q/k/v projections and the input norm; returns the layer input's
+    gradient (h1's plus the norm input's)."""
+    train_all = act.layer_flags(w, tape.index).train_all
+    T, q, kv = w.batch * w.seq, spec.q_dim, spec.kv_dim
+    ae, rope_bytes = (2, 4) if w.mixed else (act.compute_bytes(w),) * 2
+    g_attention = _linear_backward(tape, spec, w, "o_proj", g_h1, train_all, grads, ("o_proj.in",), residual=True)
+    g_q, g_k, g_v = _sdpa_backward(tape, spec, w, g_attention)
+    g_k = _rope_backward(tape, rope_bytes * T * kv, ae * T * kv // 2, g_k)
+    g_q = _rope_backward(tape, rope_bytes * T * q, ae * T * q // 2, g_q)
+    g_x = _linear_backward(tape, spec, w, "v_proj", g_v, train_all, grads)
+    g_k_flat = tape.new(ae * T * kv)  # the transposed gradient made contiguous
+    tape.ev.free([g_k])
+    g_x = _sum(tape, _stream_numel_bytes(spec, w), g_x,
+               _linear_backward(tape, spec, w, "k_proj", g_k_flat, train_all, grads))
+    g_q_flat = tape.new(ae * T * q)
+    tape.ev.free([g_q])
+    g_x = _sum(tape, _stream_numel_bytes(spec, w), g_x,
+               _linear_backward(tape, spec, w, "q_proj", g_q_flat, train_all, grads, ("norm1.out",)))
+    g_norm1_in = _layer_norm_backward(tape, spec, w, grads, g_x, "norm1")
+    return _sum(tape, _stream_numel_bytes(spec, w), g_h1, g_norm1_in)
+
+
+def _sdpa_backward(tape: LayerTape, spec: ModelSpec, w: Workload, g_attention: int) -> tuple[int, int, int]:
+    """SDPA's gradients of q, k and v; autograd then frees what attention saved. Repeated K and V
+    (no cache, grouped-query attention) are summed back to the key-value heads."""
+    T, q, kv = w.batch * w.seq, spec.q_dim, spec.kv_dim
+    ae = 2 if w.mixed else act.compute_bytes(w)
+    repeated = q if (w.ac_every and spec.gqa_groups > 1) else kv
+    g_q, g_k, g_v = tape.new(ae * T * q), tape.new(ae * T * repeated), tape.new(ae * T * repeated)
+    tape.release("attention", "lse", "query", "key", "value", "mask")
+    tape.ev.free([g_attention])
+    if repeated != kv:  # repeat_kv's backward sums the copies back to the key-value heads
+        g_k = _sum(tape, ae * T * kv, g_k)
+        g_v = _sum(tape, ae * T * kv, g_v)
+    return g_q, g_k, g_v

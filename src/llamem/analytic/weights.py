@@ -12,6 +12,8 @@ compute dtype, as bitsandbytes' `load_in_4bit/8bit` leaves them):
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from llamem.analytic.common import r512, tensor_bytes
 from llamem.model import ModelSpec
 from llamem.workload import Workload
@@ -54,6 +56,25 @@ def model_weight_bytes(spec: ModelSpec, dtype: str, quant: str = "none") -> tupl
     final_norm = tensor_bytes(spec.hidden_size, dtype)
     total = spec.num_layers * per_layer + embedding + head + final_norm + rope_buffer_bytes(spec)
     return total, spec.num_layers * per_layer_scales
+
+
+def weight_breakdown(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None) -> dict[str, int]:
+    """Everything loaded before the first step: the model's weights in their storage dtype, the
+    quantization scales, the LoRA adapters, a distillation teacher's weights (bf16 or quantized, frozen)."""
+    weights, scales = model_weight_bytes(spec, workload.weight_dtype, workload.quant)
+    out = {"weights": weights}
+    if scales:
+        out["weights/quant_scales"] = scales
+    if workload.uses_adapters:
+        out["weights/adapters"] = sum(lora_tensor_sizes(spec, workload))
+    if teacher is not None:
+        # The frozen teacher in bf16, or quantized like a base model (`--teacher-quant`), its scales
+        # with the other quantization scales.
+        teacher_weights, teacher_scales = model_weight_bytes(teacher, "bf16", workload.teacher_quant)
+        out["weights/teacher"] = teacher_weights
+        if teacher_scales:
+            out["weights/quant_scales"] = out.get("weights/quant_scales", 0) + teacher_scales
+    return out
 
 
 def lora_shapes(spec: ModelSpec, workload: Workload) -> list[tuple[int, int]]:
@@ -118,8 +139,10 @@ def trainable_numels(spec: ModelSpec, workload: Workload) -> list[int]:
     return numels
 
 
+@lru_cache(maxsize=256)
 def layer_autocast_copy_bytes(spec: ModelSpec, skip: tuple[str, ...] = ()) -> int:
-    """bf16 copies autocast makes of one layer's Linear weights (less those in `skip`)."""
+    """bf16 copies autocast makes of one layer's Linear weights (less those in `skip`); cached, as
+    the backward's moments ask for it per candidate layer."""
     return sum(tensor_bytes(i * o, "bf16") for name, (i, o) in spec.layer_linear_shapes().items()
                if name not in skip)
 
@@ -131,3 +154,13 @@ def autocast_copy_bytes(spec: ModelSpec, workload: Workload) -> int:
         return 0
     head = tensor_bytes(spec.vocab_size * spec.hidden_size, "bf16")
     return spec.num_layers * layer_autocast_copy_bytes(spec) + head
+
+
+def autocast_copies_in_backward_bytes(spec: ModelSpec, workload: Workload, forward_copy_bytes: int) -> int:
+    """Autocast's cache dies with the autocast context; only copies autograd saved survive into
+    backward, and a checkpointed layer saves none (its recompute casts again): the forward's
+    copies less one layer's for each of the ceil(L / K) checkpointed layers."""
+    if not (workload.mixed and workload.ac_every):
+        return forward_copy_bytes
+    checkpointed = -(-spec.num_layers // workload.ac_every)
+    return forward_copy_bytes - checkpointed * layer_autocast_copy_bytes(spec)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import sys
 
 import click
+
+from llamem.errors import EXIT_DOES_NOT_FIT, LlamemError
 
 
 @click.group()
@@ -17,7 +19,8 @@ def allocator():
 @click.argument("trace_file", type=click.Path())
 @click.option("--config", "alloc_conf", default="", help="PYTORCH_CUDA_ALLOC_CONF to simulate, "
               "e.g. expandable_segments:True")
-@click.option("--capacity", help="Memory cudaMalloc can get (e.g. 24GiB); an OOM is reported where it runs out.")
+@click.option("--capacity", help="Memory cudaMalloc can get (e.g. 24GiB); an OOM is reported where it runs out.  "
+              "[default: inferred when the snapshot ends with an out-of-memory error]")
 @click.option("--device-total", help="The card's total memory, for the OOM message.  [default: --capacity]")
 @click.option("--summary", is_flag=True, help="Print a torch.cuda.memory_summary()-like table.")
 @click.option("--snapshot-out", type=click.Path(), help="Write the final state as a torch snapshot (pickle) "
@@ -26,35 +29,76 @@ def allocator():
               help="Replay with other settings and say which would help.")
 @click.option("--json", "as_json", is_flag=True)
 def replay(trace_file, alloc_conf, capacity, device_total, summary, snapshot_out, advise, as_json):
-    """Replay an allocation trace: a torch snapshot (JSON or pickle) or `llamem trace --save-trace` output."""
+    """Replay an allocation trace: a torch snapshot (JSON or pickle) or `llamem trace --save-trace` output.
+
+    Exits with 3 when the replay runs out of memory."""
     from llamem.allocator import parse_alloc_conf
-    from llamem.allocator.advice import advise as find_advice
-    from llamem.allocator.replay import load_events, replay as run_replay
-    from llamem.allocator.snapshot import memory_summary, snapshot
-    from llamem.units import parse_size
+    from llamem.allocator.replay import load_trace, replay_trace
+    from llamem.allocator.simulator import check_simulated
 
     config = parse_alloc_conf(alloc_conf)
-    capacity_bytes = parse_size(capacity) if capacity else None
-    total_bytes = parse_size(device_total) if device_total else None
-    events = load_events(trace_file)
-    result = run_replay(events, config, capacity_bytes=capacity_bytes, device_total_bytes=total_bytes,
-                        record_trace=bool(snapshot_out))
-    data = result.to_dict()
-    advice = find_advice(events, result.peak_reserved_bytes, capacity_bytes=capacity_bytes) if (
-        advise and not alloc_conf) else []
-    data["advice"] = [a.__dict__ for a in advice]
+    check_simulated(config)
+    capacity_bytes, total_bytes = _sizes(capacity, device_total)
     if snapshot_out:
-        import pickle
+        from llamem.files import check_writable
 
-        with open(snapshot_out, "wb") as handle:
-            pickle.dump(snapshot(result.sim), handle)
+        check_writable(snapshot_out, "--snapshot-out")
+    trace = load_trace(trace_file)
+    result = replay_trace(trace, config, capacity_bytes=capacity_bytes, device_total_bytes=total_bytes,
+                          record_trace=bool(snapshot_out))
+    data = result.to_dict()
+    data.update(_advice(trace, result, total_bytes) if advise and not alloc_conf else
+                {"advice": [], "advice_summary": None})
+    if snapshot_out:
+        _write_snapshot(result.sim, snapshot_out)
+    _emit(data, result.sim if summary else None, as_json)
+    if not result.completes:
+        return EXIT_DOES_NOT_FIT
+    return 0
+
+
+def _sizes(capacity: str | None, device_total: str | None) -> tuple[int | None, int | None]:
+    from llamem.units import format_bytes, parse_size
+
+    capacity_bytes = parse_size(capacity, flag="--capacity") if capacity else None
+    total_bytes = parse_size(device_total, flag="--device-total") if device_total else None
+    if capacity_bytes is not None and total_bytes is not None and capacity_bytes > total_bytes:
+        raise LlamemError(f"--capacity {capacity} ({format_bytes(capacity_bytes)}) is more than --device-total "
+                          f"{device_total} ({format_bytes(total_bytes)}): the capacity is what cudaMalloc can get "
+                          "of the card's memory; lower --capacity or raise --device-total")
+    return capacity_bytes, total_bytes
+
+
+def _advice(trace, result, total_bytes: int | None) -> dict:
+    from llamem.allocator.advice import advise, summarize
+
+    found = advise(trace.replay_events(with_failed_alloc=result.capacity_bytes is not None),
+                   result.peak_reserved_bytes, capacity_bytes=result.capacity_bytes,
+                   baseline_completes=result.completes, start=result.start, device_total_bytes=total_bytes)
+    return {"advice": [dataclasses.asdict(a) for a in found],
+            "advice_summary": summarize(found, capacity_bytes=result.capacity_bytes,
+                                        baseline_completes=result.completes)}
+
+
+def _write_snapshot(sim, path: str) -> None:
+    import pickle
+
+    from llamem.allocator.snapshot import snapshot
+
+    try:
+        with open(path, "wb") as handle:
+            pickle.dump(snapshot(sim), handle)
+    except OSError as err:
+        raise LlamemError(f"--snapshot-out {path}: cannot be written ({err.strerror or err})") from None
+
+
+def _emit(data: dict, summary_sim, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2))
-    else:
-        from llamem.reporters.allocator import render_replay
+        return
+    from llamem.allocator.snapshot import memory_summary
+    from llamem.reporters.allocator import render_replay
 
-        click.echo(render_replay(data))
-        if summary:
-            click.echo(memory_summary(result.sim))
-    if result.oom_event_index is not None:
-        sys.exit(2)
+    click.echo(render_replay(data))
+    if summary_sim is not None:
+        click.echo(memory_summary(summary_sim))

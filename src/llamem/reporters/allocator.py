@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from llamem.units import format_bytes
+from llamem.units import format_bytes, format_gib
 
 
 def render_replay(data: dict) -> str:
     frag = data["fragmentation"]
     lines = [
         f"replayed {data['events_replayed']} of {data['num_events']} events"
-        + (f" with {data['allocator_settings']}" if data["allocator_settings"] else " (default allocator settings)"),
+        + (f" with {data['allocator_settings']}" if data["allocator_settings"] else " (default allocator settings)")
+        + _capacity(data),
         f"peak allocated {format_bytes(data['peak_allocated_bytes'])}, peak reserved "
         f"{format_bytes(data['peak_reserved_bytes'])} (+{format_bytes(frag['peak_reserved_minus_peak_allocated_bytes'])}"
         f"), {data['num_segments']} segments at most, {data['num_alloc_retries']} cudaMalloc retries",
@@ -18,10 +19,36 @@ def render_replay(data: dict) -> str:
         f"{format_bytes(frag['rounding_waste_bytes'])}, largest free block {format_bytes(frag['largest_free_block_bytes'])}",
     ]
     if data["oom"]:
-        lines += [f"OUT OF MEMORY at event {data['oom']['event_index']}:", "  " + data["oom"]["message"]]
-    for advice in data.get("advice", []):
-        lines.append(f"advice: PYTORCH_CUDA_ALLOC_CONF={advice['setting']} lowers the peak reserved memory by "
-                     f"{format_bytes(advice['saved_bytes'])} (to {format_bytes(advice['peak_reserved_bytes'])})")
+        entry = data["oom"].get("entry_index")
+        where = f" (trace entry {entry})" if entry is not None else ""
+        lines += [f"OUT OF MEMORY at event {data['oom']['event_index']}{where}:", "  " + data["oom"]["message"]]
+    lines += _advice_lines(data)
     for warning in data.get("warnings", []):
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
+
+
+def _capacity(data: dict) -> str:
+    capacity = data.get("capacity_bytes")
+    if capacity is None:
+        return ""
+    inferred = " (inferred from the snapshot)" if data.get("capacity_inferred") else ""
+    return f", within {format_gib(capacity)}{inferred}"
+
+
+def _advice_lines(data: dict) -> list[str]:
+    capacity = data.get("capacity_bytes")
+    lines = []
+    for advice in data.get("advice", []):
+        peak, saved = format_bytes(advice["peak_reserved_bytes"]), advice["saved_bytes"]
+        if capacity is None:
+            text = f"lowers the peak reserved memory by {format_bytes(saved)} (to {peak})"
+        else:
+            change = f", {format_bytes(saved)} less" if saved > 0 else ""
+            text = f"completes within {format_gib(capacity)}: peak reserved {peak}{change}"
+        lines.append(f"advice: PYTORCH_CUDA_ALLOC_CONF={advice['setting']} {text}")
+        if advice.get("note"):
+            lines.append(f"  ({advice['note']})")
+    if not data.get("advice") and data.get("advice_summary"):
+        lines.append(f"advice: {data['advice_summary']}")
+    return lines

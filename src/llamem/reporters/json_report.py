@@ -8,25 +8,33 @@ from typing import Any
 from llamem.report import MemoryReport
 
 
+def workload_dict(workload) -> dict[str, Any]:
+    out = {f.name: getattr(workload, f.name) for f in dataclasses.fields(workload) if not f.name.startswith("_")}
+    out["lora_targets"] = list(workload.lora_targets)
+    return out
+
+
 def report_to_dict(report: MemoryReport) -> dict[str, Any]:
-    spec, workload = report.model, report.workload
+    spec = report.model
     out: dict[str, Any] = {
         "model": {"name": spec.name, "hf_id": spec.hf_id, "source": spec.source, "num_params": spec.num_params,
                   "num_layers": spec.num_layers, "hidden_size": spec.hidden_size},
-        "workload": {f.name: getattr(workload, f.name) for f in dataclasses.fields(workload)
-                     if not f.name.startswith("_")},
+        "workload": workload_dict(report.workload),
         "engine": report.engine,
+        "layout": report.layout,
         "peak_allocated_bytes": report.peak_allocated_bytes,
         "peak_phase": report.peak_phase,
         "breakdown": report.breakdown,
         "phases": report.phase_peaks,
         "phase_breakdowns": {phase: dict(sorted(b.items())) for phase, b in report.phases.items()},
-        "notes": list(report.notes),
+        "notes": list(getattr(spec, "notes", ())) + list(report.notes),
     }
-    out["workload"]["lora_targets"] = list(workload.lora_targets)
-    if report.peak_reserved_bytes is not None:
-        out["peak_reserved_bytes"] = report.peak_reserved_bytes
-    if report.non_torch_bytes is not None:
-        out["non_torch_bytes"] = report.non_torch_bytes
-        out["device_bytes"] = report.device_bytes
+    device = report.device
+    if device is not None:
+        out.update(peak_reserved_bytes=device.peak_reserved_bytes, fragmentation_bytes=device.fragmentation_bytes,
+                   non_torch_bytes=device.non_torch_bytes, device_bytes=device.device_bytes)
+        if device.exact_shape_device_bytes is not None:
+            out["exact_shape_device_bytes"] = device.exact_shape_device_bytes
+        if device.unlimited_card_reserved_bytes is not None:
+            out["unlimited_card_reserved_bytes"] = device.unlimited_card_reserved_bytes
     return out

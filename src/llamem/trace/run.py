@@ -46,11 +46,11 @@ def trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None)
             _install_category_hooks(teacher_model, tracer)
         _install_category_hooks(model, tracer)
         if workload.is_training:
-            optimizer = _make_optimizer(model, workload, notes)
-            _train(model, teacher_model, optimizer, workload, spec, tracer)
+            optimizer = make_optimizer(model, workload, notes)
+            train_steps(model, teacher_model, optimizer, workload, spec, tracer)
             phases = TRAIN_PHASES
         else:
-            _infer(model, workload, spec, tracer)
+            generate_steps(model, workload, spec, tracer)
             phases = INFER_PHASES
     if workload.quant != "none":
         notes.append(f"{workload.quant} layers emulated with bitsandbytes' exact byte counts "
@@ -89,7 +89,8 @@ def _recompute_labels(tracer: StorageTracer):
 
 
 def _teacher_workload(workload: Workload) -> Workload:
-    return Workload(task="infer", precision="bf16", attn=workload.attn)
+    """The teacher is built like a bf16 generation model, quantized as `--teacher-quant` says."""
+    return Workload(task="infer", precision="bf16", attn=workload.attn, quant=workload.teacher_quant)
 
 
 def _materialise(model, tracer: StorageTracer, category: str):
@@ -200,7 +201,7 @@ class EmulatedAdafactor(torch.optim.Optimizer):
             del updates
 
 
-def _make_optimizer(model, workload: Workload, notes: list[str]):
+def make_optimizer(model, workload: Workload, notes: list[str]):
     params = [p for p in model.parameters() if p.requires_grad]
     if workload.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=1e-4, foreach=True)
@@ -257,7 +258,7 @@ def _chunked_loss(model, ids):
     return total / ids.numel()
 
 
-def _train(model, teacher, optimizer, workload: Workload, spec: ModelSpec, tracer: StorageTracer,
+def train_steps(model, teacher, optimizer, workload: Workload, spec: ModelSpec, tracer: StorageTracer,
            device: str = "cpu") -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     for step in range(2):
@@ -283,7 +284,7 @@ def _train(model, teacher, optimizer, workload: Workload, spec: ModelSpec, trace
         optimizer.zero_grad(set_to_none=True)
 
 
-def _infer(model, workload: Workload, spec: ModelSpec, tracer: StorageTracer, device: str = "cpu") -> None:
+def generate_steps(model, workload: Workload, spec: ModelSpec, tracer: StorageTracer, device: str = "cpu") -> None:
     from transformers import DynamicCache
 
     model.eval()

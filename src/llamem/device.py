@@ -1,0 +1,174 @@
+"""Device memory: the one figure that says whether a workload fits a card.
+
+    device_bytes = peak_allocated_bytes + fragmentation_bytes + non_torch_bytes
+
+- `peak_allocated_bytes` comes from the engine (analytic formulas, or the trace's real tensors).
+- `fragmentation_bytes` is what PyTorch's caching allocator holds beyond the live tensors on the
+  smallest card the workload runs on. It is found by replaying the configuration's allocation
+  schedule (`llamem.analytic.schedule`) through the allocator simulator, which, like PyTorch,
+  frees its cached blocks and retries before it raises an out-of-memory error; the smallest
+  capacity that replays without one, minus the schedule's peak allocated bytes, is the
+  fragmentation of that shape.
+- `non_torch_bytes`: the CUDA context and, with several GPUs, NCCL (`llamem.overhead`).
+
+Monotone by construction. The smallest card of one exact shape is not monotone in batch or
+sequence length: how freed blocks line up with later requests changes from shape to shape (the
+simulator finds 8B full fine-tuning at batch 3 needing 9 GiB more than at batch 4, and traces
+of the real code agree in kind). A figure that falls when the batch grows is not one a user can
+plan with, so the fragmentation term is the largest fragmentation of the same configuration over
+a fixed lattice of probe shapes at or below the workload's own size. Growing the batch or the
+sequence only adds probes, never removes one, so the maximum cannot fall; the analytic peak
+never falls either (`tests/test_analytic_monotone.py`).
+
+The lattice: almost every tensor of a step grows with batch x seq (activations, logits, the KV
+cache, and with chunked prefill even the masks and repeated keys: batch x chunk x prompt), so the
+probes are one row at batch 1 whose token counts step by sqrt(2) from 512: 512, 724, 1024, 1448,
+2048, ... up to batch x seq. A workload of 2^k tokens at batch 1 is itself a probe; between two
+probes the figure carries the smaller one's fragmentation, at most sqrt(2) smaller in size.
+Shapes under 512 tokens take the 512-token probe. Eager attention keeps batch x heads x seq^2
+probabilities, which a batch-1 probe of the same tokens would blow up, and a chunked prefill's
+schedule grows with its number of chunks, so both are probed on a grid: batch {1, 2, 4, ...} up to
+the batch x the same sequence steps up to the sequence. (Checkpointing's
+boolean mask, batch x seq^2 bytes, is small beside the layer inputs it comes with.)
+
+The exact shape's own smallest card is reported beside it (`exact_shape_device_bytes`) when
+asked for, so a shape that fragments more than its neighbours is visible, not hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+from llamem.model import ModelSpec
+from llamem.overhead import non_torch_bytes
+from llamem.workload import Workload
+
+MIN_PROBE_SEQ = 512
+"""The smallest probe: shorter shapes are probed at 512 tokens, which fragments at least as much
+(larger tensors of the same kinds) and keeps the lattice short."""
+PROBE_STEPS_PER_OCTAVE = 2
+"""Probe token counts step by 2 ** (1/2): finer costs a replay per step, coarser leaves a shape
+between two probes further from the one whose fragmentation it carries."""
+PROBE_CACHE_SIZE = 4096
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceMemory:
+    """What a card must hold for a workload, per GPU."""
+
+    peak_allocated_bytes: int
+    fragmentation_bytes: int
+    """Reserved beyond allocated on the smallest card: the monotone allowance described above."""
+    non_torch_bytes: int
+    exact_shape_device_bytes: int | None = None
+    """The smallest card on which this exact shape's schedule replays, plus non-torch (if computed)."""
+    unlimited_card_reserved_bytes: int | None = None
+    """What `torch.cuda.max_memory_reserved()` would show on a card without limit (if computed)."""
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        return self.peak_allocated_bytes + self.fragmentation_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        return self.peak_reserved_bytes + self.non_torch_bytes
+
+
+def shape_sensitive(w: Workload) -> bool:
+    """Whether batch and sequence are probed separately: eager attention's probabilities grow with
+    seq^2 rather than batch x seq, and a chunked prefill's work with the number of chunks, which a
+    batch-1 probe of the same tokens would multiply by the batch."""
+    return w.attn == "eager" or w.prefill_chunk > 0
+
+
+def lattice(top: int) -> list[int]:
+    """Probe lengths from MIN_PROBE_SEQ up to `top` (at least the first), in steps of 2 ** (1/2)."""
+    out, k = [MIN_PROBE_SEQ], 1
+    while round(MIN_PROBE_SEQ * 2 ** (k / PROBE_STEPS_PER_OCTAVE)) <= top:
+        out.append(round(MIN_PROBE_SEQ * 2 ** (k / PROBE_STEPS_PER_OCTAVE)))
+        k += 1
+    return out
+
+
+def probe_shapes(w: Workload) -> list[tuple[int, int]]:
+    """The (batch, seq) probes at or below the workload's size, smallest first (by tokens)."""
+    if shape_sensitive(w):
+        batches = [1 << k for k in range(w.batch.bit_length())]
+        shapes = [(b, s) for b in batches for s in lattice(w.seq)]
+    else:
+        shapes = [(1, s) for s in lattice(w.batch * w.seq)]
+    return sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape))
+
+
+def fragmentation_bytes(spec: ModelSpec, w: Workload) -> int:
+    """The monotone fragmentation allowance of this configuration at this shape (see the module)."""
+    canonical = dataclasses.replace(w, batch=1, seq=MIN_PROBE_SEQ)
+    return _envelope(spec, canonical, tuple(probe_shapes(w)))
+
+
+@lru_cache(maxsize=PROBE_CACHE_SIZE)
+def _envelope(spec: ModelSpec, canonical: Workload, shapes: tuple[tuple[int, int], ...]) -> int:
+    """The largest fragmentation over the probes, without computing every probe's exactly: the
+    largest probe first, then each smaller one is only asked whether it replays within the largest
+    fragmentation found so far, and computed exactly only if it does not."""
+    probes = [dataclasses.replace(canonical, batch=b, seq=s) for b, s in shapes]
+    largest = probe_fragmentation(spec, probes[-1])
+    for probe in reversed(probes[:-1]):
+        if not replays_within(spec, probe, largest):
+            largest = max(largest, probe_fragmentation(spec, probe))
+    return largest
+
+
+@lru_cache(maxsize=16)
+def probe_events(spec: ModelSpec, w: Workload) -> tuple[list, int]:
+    """A probe's allocation schedule and its peak allocated bytes (kept for the few probes in use)."""
+    from llamem.allocator.replay import peak_allocated_bytes
+    from llamem.analytic.schedule import schedule
+
+    events = schedule(spec, w)
+    return events, peak_allocated_bytes(events)
+
+
+@lru_cache(maxsize=PROBE_CACHE_SIZE)
+def replays_within(spec: ModelSpec, w: Workload, fragmentation: int) -> bool:
+    """Whether this shape's schedule replays on a card of its allocated peak plus `fragmentation`."""
+    from llamem.allocator.replay import runs_on_card
+
+    events, allocated = probe_events(spec, w)
+    return runs_on_card(events, allocated + fragmentation) is not None
+
+
+@lru_cache(maxsize=PROBE_CACHE_SIZE)
+def probe_fragmentation(spec: ModelSpec, w: Workload) -> int:
+    """Reserved minus allocated on the smallest card this exact shape's schedule replays on."""
+    from llamem.allocator.replay import smallest_card
+
+    allocated, reserved = smallest_card(probe_events(spec, w)[0])
+    return max(reserved - allocated, 0)
+
+
+def exact_shape_reserved_bytes(spec: ModelSpec, w: Workload, peak_allocated_bytes: int) -> int:
+    """This exact shape's own fragmentation added to the engine's peak allocated bytes."""
+    return peak_allocated_bytes + probe_fragmentation(spec, w)
+
+
+def unlimited_card_reserved_bytes(spec: ModelSpec, w: Workload, peak_allocated_bytes: int) -> int:
+    from llamem.allocator.replay import runs_on_card
+
+    events, allocated = probe_events(spec, w)
+    return peak_allocated_bytes + max(runs_on_card(events, None) - allocated, 0)
+
+
+def device_memory(spec: ModelSpec, w: Workload, peak_allocated_bytes: int, *, num_gpus: int = 1,
+                  exact_shape: bool = False, unlimited: bool = False) -> DeviceMemory:
+    """`spec` is the part of the model one GPU holds (`llamem.parallel.shard_spec`); the allowance
+    comes from that GPU's single-device schedule, which keeps whole model states where ZeRO would
+    shard them, so it errs on the large side for sharded layouts."""
+    overhead = non_torch_bytes(num_gpus)
+    exact = exact_shape_reserved_bytes(spec, w, peak_allocated_bytes) + overhead if exact_shape else None
+    return DeviceMemory(peak_allocated_bytes=peak_allocated_bytes, fragmentation_bytes=fragmentation_bytes(spec, w),
+                        non_torch_bytes=overhead, exact_shape_device_bytes=exact,
+                        unlimited_card_reserved_bytes=(unlimited_card_reserved_bytes(spec, w, peak_allocated_bytes)
+                                                       if unlimited else None))

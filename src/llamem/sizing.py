@@ -1,0 +1,100 @@
+"""The reports `llamem estimate` and `llamem trace` print: per GPU, with the device memory.
+
+Library users get here what the command line prints: `estimate_report` for the analytic engine
+on any layout, `trace_report` for the trace engine on one GPU. Both take the device figure from
+`llamem.device`, so the same configuration gives the same `device_bytes` in `estimate`, `plan`
+and (where the traced peak equals the analytic one) `trace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llamem.analytic import estimate
+from llamem.device import device_memory
+from llamem.model import ModelSpec
+from llamem.parallel import Layout, per_gpu_phases, shard_spec
+from llamem.report import MemoryReport
+from llamem.workload import Workload
+
+
+def estimate_report(spec: ModelSpec, w: Workload, layout: Layout | None = None, teacher: ModelSpec | None = None,
+                    *, details: bool = True) -> MemoryReport:
+    """The analytic report for the busiest GPU of `layout` (one GPU by default), with its device memory.
+    `details`: also the exact shape's own smallest card and the unlimited card's reserved memory."""
+    layout = layout or Layout()
+    report = estimate(spec, w, teacher)
+    notes = list(report.notes)
+    if layout.num_gpus > 1 or layout.sharding != "none":
+        report = dataclasses.replace(report, phases=per_gpu_phases(spec, w, layout, teacher))
+        notes.append(f"per GPU, the busiest GPU of {layout.describe()}")
+    local = shard_spec(spec, layout)
+    single = layout.num_gpus == 1 and layout.sharding == "none"
+    device = device_memory(local, w, report.peak_allocated_bytes, num_gpus=layout.num_gpus,
+                           exact_shape=details, unlimited=details and single)
+    notes += device_notes(device, w, single)
+    if details and single:
+        notes += allocator_advice(local, w, device)
+    return dataclasses.replace(report, device=device, notes=tuple(notes), layout=layout.describe())
+
+
+ADVISE_ABOVE = 0.05
+"""Look for a better allocator setting when fragmentation exceeds 5 % of the allocated peak."""
+
+
+def allocator_advice(spec: ModelSpec, w: Workload, device) -> list[str]:
+    """When this shape fragments the allocator noticeably: the settings under which its schedule
+    still completes on a card with half that fragmentation, best first (`llamem.allocator.advice`)."""
+    from llamem.allocator.advice import advise
+    from llamem.device import probe_events
+    from llamem.units import format_gib
+
+    events, allocated = probe_events(spec, w)
+    exact = device.exact_shape_device_bytes - device.non_torch_bytes - device.peak_allocated_bytes
+    if exact <= ADVISE_ABOVE * device.peak_allocated_bytes:
+        return []
+    capacity = allocated + exact // 2
+    found = [a for a in advise(events, allocated + exact, capacity_bytes=capacity) if a.completes]
+    if not found:
+        return [f"allocator: no PYTORCH_CUDA_ALLOC_CONF setting runs this schedule with half its fragmentation "
+                f"({format_gib(exact // 2)})"]
+    top = found[0]
+    return [f"allocator: with PYTORCH_CUDA_ALLOC_CONF={top.setting} this shape's schedule runs on a card with half "
+            f"its fragmentation (peak reserved {format_gib(top.peak_reserved_bytes - allocated)} above allocated, "
+            f"instead of {format_gib(exact)})"]
+
+
+def trace_report(spec: ModelSpec, w: Workload, teacher: ModelSpec | None = None,
+                 save_trace: str | None = None) -> tuple[MemoryReport, list]:
+    """The trace engine's report with the same device figure, and its allocation events. The traced
+    events' own smallest card is `device.exact_shape_device_bytes`: the replay of the real order."""
+    from llamem.allocator.replay import runs_on_card, smallest_card
+    from llamem.trace.api import run_trace
+
+    report, events = run_trace(spec, w, teacher, save_trace=save_trace)
+    device = device_memory(spec, w, report.peak_allocated_bytes)
+    allocated, reserved = smallest_card(events)
+    device = dataclasses.replace(
+        device, exact_shape_device_bytes=report.peak_allocated_bytes + max(reserved - allocated, 0)
+        + device.non_torch_bytes,
+        unlimited_card_reserved_bytes=report.peak_allocated_bytes + max(runs_on_card(events, None) - allocated, 0))
+    notes = list(report.notes) + device_notes(device, w, True, traced=True)
+    return dataclasses.replace(report, device=device, notes=tuple(notes)), events
+
+
+def device_notes(device, w: Workload, single_gpu: bool, traced: bool = False) -> list[str]:
+    from llamem.units import format_gib
+
+    notes = [f"device memory = peak allocated + {format_gib(device.fragmentation_bytes)} allocator fragmentation "
+             "(the largest the allocator simulator finds for this configuration at this shape or smaller, on the "
+             "smallest card each runs on) + non-torch"]
+    exact = device.exact_shape_device_bytes
+    if exact is not None and exact > device.device_bytes:
+        what = "the traced allocations of this exact shape replay" if traced else "this exact shape's schedule replays"
+        notes.append(f"{what} only on {format_gib(exact)}: the block sizes of this shape fragment the allocator more than "
+                     "smaller shapes; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids most of it")
+    if not single_gpu:
+        notes.append("the fragmentation comes from this GPU's share of the model replayed as one device, with whole "
+                     "model states where ZeRO shards them and without ZeRO's buckets or the collectives: it errs on "
+                     "the large side for ZeRO layouts; no allocator advice for parallel layouts")
+    return notes

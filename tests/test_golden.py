@@ -1,0 +1,26 @@
+"""Every pinned output still matches (`tests/golden_cases.py`; `make golden` regenerates them)."""
+
+import os
+
+import pytest
+
+from golden_cases import CASES, HERE, render
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """The cases run in one folder, in order: the trace case writes the file the replay cases read."""
+    path = tmp_path_factory.mktemp("golden")
+    previous = os.getcwd()
+    os.chdir(path)
+    render(CASES["trace_debug_saved.txt"])
+    yield path
+    os.chdir(previous)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_output_is_unchanged(name, workdir):
+    expected = (HERE / name).read_text()
+    assert render(CASES[name]) == expected, f"{name} changed: run `make golden` if the change is intended"
