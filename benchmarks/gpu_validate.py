@@ -37,7 +37,7 @@ MATRIX = [
 def allocator_replay_check(torch) -> dict:
     """Record a real allocation history on one stream, replay it through the simulator, and
     compare peak reserved memory and segment counts (target: exact for the native allocator)."""
-    from llamem.allocator.replay import events_from_data, replay
+    from llamem.allocator.replay import replay_trace, trace_from_data
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -53,7 +53,7 @@ def allocator_replay_check(torch) -> dict:
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     stats = torch.cuda.memory_stats()
-    result = replay(events_from_data(snapshot))
+    result = replay_trace(trace_from_data(snapshot))
     del live
     torch.cuda.empty_cache()
     return {"real_peak_reserved_bytes": stats["reserved_bytes.all.peak"],
@@ -77,8 +77,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_validate needs a CUDA device; none is visible here. Nothing to do.")
         return 0
-    from llamem import build_workload, estimate, load_model
+    from llamem import build_workload, load_model
     from llamem.measure import measure
+    from llamem.sizing import estimate_report
     from llamem.trace.run import trace
 
     gpu = torch.cuda.get_device_name(0)
@@ -86,7 +87,7 @@ def main() -> int:
     for model, options in MATRIX[:3] if args.quick else MATRIX:
         spec, workload = load_model(model), build_workload(**options)
         start = time.perf_counter()
-        est = estimate(spec, workload)
+        est = estimate_report(spec, workload, details=False)
         traced = trace(spec, workload)
         try:
             measured = measure(spec, workload)
@@ -94,6 +95,7 @@ def main() -> int:
             measured = {"error": str(err).splitlines()[0]}
             torch.cuda.empty_cache()
         row = {"model": model, "options": options, "estimate_peak_allocated_bytes": est.peak_allocated_bytes,
+               "estimate_peak_reserved_bytes": est.peak_reserved_bytes, "estimate_device_bytes": est.device_bytes,
                "estimate_phases": est.phase_peaks, "trace_peak_allocated_bytes": traced.peak_allocated_bytes,
                "trace_phases": traced.phase_peaks, "measured": measured, "seconds": time.perf_counter() - start}
         rows.append(row)

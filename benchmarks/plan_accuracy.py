@@ -85,7 +85,7 @@ def main() -> int:
         start = time.perf_counter()
         # The trace engine has no quantized KV cache: inference plans keep the numerics, so the
         # truth is traced with the same cache.
-        plan = make_plan(spec, build_workload(**options), budget_gpu(budget), host_budget_bytes=0, maximize=what,
+        plan = make_plan(spec, build_workload(**options), budget_gpu(budget), host_budget_bytes=0, maximize_what=what,
                          exact=options["task"] == "infer")
         answer = plan.maximized["value"] if plan.maximized else 0
         workload = plan.final.workload
@@ -93,8 +93,7 @@ def main() -> int:
         in_budget = answer == 0 or answer <= truth
         verified = None
         if plan.fits:  # what `llamem plan --verify` answers: the trace engine settles the edge
-            verify_plan(plan)
-            verified = plan.maximized["value"]
+            verified = verify_plan(plan).maximized["value"]
         ratio = answer / truth if truth else 0.0
         row = {"model": spec.name, "options": options, "maximize": what, "budget_bytes": budget,
                "planner": answer, "trace": truth, "ratio": ratio, "in_budget": in_budget, "verified": verified,

@@ -12,7 +12,7 @@ import time
 
 from llamem import build_workload, load_model
 from llamem.gpus import get_gpu
-from llamem.plan import Planner, make_plan
+from llamem.plan import Space, candidates, make_plan
 
 GiB = 2**30
 
@@ -25,9 +25,9 @@ def main() -> int:
     workload = build_workload(task="train", batch=4, seq=4096)
 
     # Candidates per second: the planner's own search over 64 GPUs, without its final checks.
-    planner = Planner(spec, gpu, host_budget_bytes=512 * GiB)
+    space = Space(spec=spec, gpu=gpu, host_budget_bytes=512 * GiB)
     start = time.perf_counter()
-    count = sum(1 for _ in planner.candidates(workload, 64))
+    count = sum(1 for _ in candidates(space, workload, 64))
     search = time.perf_counter() - start
 
     # A full plan (search, allocator-simulator checks, ladder) for every GPU count from 1 to 64.

@@ -22,9 +22,9 @@ never falls either (`tests/test_analytic_monotone.py`).
 
 The lattice: almost every tensor of a step grows with batch x seq (activations, logits, the KV
 cache, and with chunked prefill even the masks and repeated keys: batch x chunk x prompt), so the
-probes are one row at batch 1 whose token counts step by sqrt(2) from 512: 512, 724, 1024, 1448,
-2048, ... up to batch x seq. A workload of 2^k tokens at batch 1 is itself a probe; between two
-probes the figure carries the smaller one's fragmentation, at most sqrt(2) smaller in size.
+probes are one row at batch 1 whose token counts double from 512: 512, 1024, 2048, ... up to
+batch x seq. A workload of 2^k tokens at batch 1 is itself a probe; between two probes the figure
+carries the smaller one's fragmentation, at most 2x smaller in size.
 Shapes under 512 tokens take the 512-token probe. Eager attention keeps batch x heads x seq^2
 probabilities, which a batch-1 probe of the same tokens would blow up, and a chunked prefill's
 schedule grows with its number of chunks, so both are probed on a grid: batch {1, 2, 4, ...} up to
@@ -48,10 +48,16 @@ from llamem.workload import Workload
 MIN_PROBE_SEQ = 512
 """The smallest probe: shorter shapes are probed at 512 tokens, which fragments at least as much
 (larger tensors of the same kinds) and keeps the lattice short."""
-PROBE_STEPS_PER_OCTAVE = 2
-"""Probe token counts step by 2 ** (1/2): finer costs a replay per step, coarser leaves a shape
-between two probes further from the one whose fragmentation it carries."""
+PROBE_STEPS_PER_OCTAVE = 1
+"""Probe token counts double from one to the next: each probe costs at least one replay of a
+whole schedule (0.1 s for an 8B training step, more for larger models), and a finer lattice
+doubled the time of a plan while moving figures by well under 1 % of the peak."""
 PROBE_CACHE_SIZE = 4096
+SEARCH_CACHE_SIZE = 512
+"""Probe searches kept: a search not yet finished holds its schedule's events."""
+EVENTS_CACHE_SIZE = 64
+"""Probe schedules kept in memory: a plan touches a few dozen (a 70B schedule is ~50,000 events,
+about 5 MB), and rebuilding one costs as much as replaying it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,7 +90,7 @@ def shape_sensitive(w: Workload) -> bool:
 
 
 def lattice(top: int) -> list[int]:
-    """Probe lengths from MIN_PROBE_SEQ up to `top` (at least the first), in steps of 2 ** (1/2)."""
+    """Probe lengths from MIN_PROBE_SEQ up to `top` (at least the first), in steps of 2 ** (1 / steps per octave)."""
     out, k = [MIN_PROBE_SEQ], 1
     while round(MIN_PROBE_SEQ * 2 ** (k / PROBE_STEPS_PER_OCTAVE)) <= top:
         out.append(round(MIN_PROBE_SEQ * 2 ** (k / PROBE_STEPS_PER_OCTAVE)))
@@ -110,20 +116,32 @@ def fragmentation_bytes(spec: ModelSpec, w: Workload) -> int:
 
 @lru_cache(maxsize=PROBE_CACHE_SIZE)
 def _envelope(spec: ModelSpec, canonical: Workload, shapes: tuple[tuple[int, int], ...]) -> int:
-    """The largest fragmentation over the probes, without computing every probe's exactly: the
-    largest probe first, then each smaller one is only asked whether it replays within the largest
-    fragmentation found so far, and computed exactly only if it does not."""
-    probes = [dataclasses.replace(canonical, batch=b, seq=s) for b, s in shapes]
-    largest = probe_fragmentation(spec, probes[-1])
-    for probe in reversed(probes[:-1]):
-        if not replays_within(spec, probe, largest):
-            largest = max(largest, probe_fragmentation(spec, probe))
-    return largest
+    """The largest fragmentation over the probes, without searching every probe to the end: the
+    largest probe first, then each smaller one only as far as needed to know whether it stays
+    within the largest found so far. The searches are the same whoever drives them
+    (`SmallestCardSearch`), so this is the exact maximum of the probes' own figures."""
+    probes = [_search(spec, dataclasses.replace(canonical, batch=b, seq=s)) for b, s in shapes]
+    largest = probes[-1]
+    largest.finish()
+    found = largest.high - largest.allocated
+    for search in reversed(probes[:-1]):
+        if not search.settle_within(search.allocated + found):
+            search.finish()
+            found = max(found, search.high - search.allocated)
+    return found
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=SEARCH_CACHE_SIZE)
+def _search(spec: ModelSpec, w: Workload):
+    """One probe's smallest-card search, kept (part-done or done) for every later question."""
+    from llamem.allocator.replay import SmallestCardSearch
+
+    return SmallestCardSearch(probe_events(spec, w)[0])
+
+
+@lru_cache(maxsize=EVENTS_CACHE_SIZE)
 def probe_events(spec: ModelSpec, w: Workload) -> tuple[list, int]:
-    """A probe's allocation schedule and its peak allocated bytes (kept for the few probes in use)."""
+    """A probe's allocation schedule and its peak allocated bytes (kept for the probes in use)."""
     from llamem.allocator.replay import peak_allocated_bytes
     from llamem.analytic.schedule import schedule
 
@@ -131,22 +149,11 @@ def probe_events(spec: ModelSpec, w: Workload) -> tuple[list, int]:
     return events, peak_allocated_bytes(events)
 
 
-@lru_cache(maxsize=PROBE_CACHE_SIZE)
-def replays_within(spec: ModelSpec, w: Workload, fragmentation: int) -> bool:
-    """Whether this shape's schedule replays on a card of its allocated peak plus `fragmentation`."""
-    from llamem.allocator.replay import runs_on_card
-
-    events, allocated = probe_events(spec, w)
-    return runs_on_card(events, allocated + fragmentation) is not None
-
-
-@lru_cache(maxsize=PROBE_CACHE_SIZE)
 def probe_fragmentation(spec: ModelSpec, w: Workload) -> int:
     """Reserved minus allocated on the smallest card this exact shape's schedule replays on."""
-    from llamem.allocator.replay import smallest_card
-
-    allocated, reserved = smallest_card(probe_events(spec, w)[0])
-    return max(reserved - allocated, 0)
+    search = _search(spec, w)
+    search.finish()
+    return max(search.high - search.allocated, 0)
 
 
 def exact_shape_reserved_bytes(spec: ModelSpec, w: Workload, peak_allocated_bytes: int) -> int:

@@ -451,11 +451,10 @@ def ladder(space: Space, start: Candidate, final: Candidate) -> tuple[Step, ...]
         if name == "layout":
             moved = _layout_step(current_w, current_layout, final.layout)
         else:
-            moved = _record_step(name, current_w, final.workload, split)
+            moved = _record_step(name, current_w, current_layout, final.workload, split)
         if moved is None:
             continue
-        current_w, current_layout, title, change, reason = (*moved[:2], *moved[2:]) if name == "layout" else (
-            moved[0], current_layout, *moved[1:])
+        current_w, current_layout, title, change, reason = moved
         layout = dataclasses.replace(current_layout, microbatches=current_w.grad_accum) if (
             current_layout.pp > 1) else current_layout
         c = final if (current_w, layout) == (final.workload, final.layout) else confirm(
@@ -466,8 +465,8 @@ def ladder(space: Space, start: Candidate, final: Candidate) -> tuple[Step, ...]
     return tuple(steps)
 
 
-def _record_step(name: str, current: Workload, final: Workload, split: int):
-    """(new workload, title, change, reason) when the technique `name` differs between the two."""
+def _record_step(name: str, current: Workload, layout: Layout, final: Workload, split: int):
+    """(new workload, layout, title, change, reason) when the technique `name` differs between the two."""
     record = BY_NAME[name]
     if name == "batch":
         target = {"batch": final.batch, "grad_accum": final.grad_accum // split}
@@ -483,7 +482,7 @@ def _record_step(name: str, current: Workload, final: Workload, split: int):
         return None
     new = dataclasses.replace(current, **target)
     change = _seq_change(current, final, split) if name == "seq" else record.describe_change(new)
-    return new, record.title, change, record.explain(current, new)
+    return new, layout, record.title, change, record.explain(current, new)
 
 
 def _seq_change(current: Workload, final: Workload, split: int) -> str:

@@ -189,33 +189,78 @@ schedules' own agreement with traces, and two replays fewer per search than 1/51
 
 def smallest_card(events) -> tuple[int, int]:
     """(peak allocated, the smallest capacity on which the events replay without an out-of-memory
-    error), to 1/128 of the allocated peak. On a card without limit the allocator never has to free
-    its cache, so the unlimited replay's peak reserved always works; often nothing smaller does (a
-    freed block left in a split segment is too small for a later request, which then needs a new
-    segment however much is cached), and one replay just below it says so. Otherwise: a search
-    between the allocated peak and that bound, galloping up first (steps of the precision, doubling)
-    when the bound is more than twice the peak (a growing KV cache leaves many cached blocks behind
-    on a card without limit, while a card that runs out frees them and retries)."""
-    allocated = peak_allocated_bytes(events)
-    low, high = allocated, runs_on_card(events, None)
-    precision = max(low // SEARCH_PRECISION, 1)
-    far = high > 2 * low
-    if high - low <= precision or (not far and runs_on_card(events, high - precision) is None):
-        return low, high
-    high -= precision
-    step = precision
-    while far and low + step < high:
-        if runs_on_card(events, low + step) is not None:
-            high = low + step
-            break
-        low, step = low + step, step * 2
-    while high - low > precision:
-        mid = (low + high) // 2
-        if runs_on_card(events, mid) is not None:
-            high = mid
-        else:
-            low = mid
-    return allocated, high
+    error), to 1/128 of the allocated peak (`SmallestCardSearch`, run to the end)."""
+    search = SmallestCardSearch(events)
+    search.finish()
+    return search.allocated, search.high
+
+
+class SmallestCardSearch:
+    """The smallest-card search, one replay at a time. On a card without limit the allocator never
+    has to free its cache, so the unlimited replay's peak reserved always works; often nothing
+    smaller does (a freed block left in a split segment is too small for a later request, which
+    then needs a new segment however much is cached), and one replay just below it says so.
+    Otherwise: a search between the allocated peak and that bound, galloping up first (steps of the
+    precision, doubling) when the bound is more than twice the peak (a growing KV cache leaves many
+    cached blocks behind on a card without limit, while a card that runs out frees them and retries).
+
+    The replays and their order depend on the events only, so stopping early (`settle_within`) and
+    resuming later reach the same answer as running through: `high` is always the smallest
+    capacity seen to work, an upper bound on the answer, and is the answer when `done`."""
+
+    def __init__(self, events: list[AllocEvent]):
+        self.events = events
+        self.allocated = peak_allocated_bytes(events)
+        self.low = self.allocated
+        self.high: int | None = None
+        self.precision = max(self.allocated // SEARCH_PRECISION, 1)
+        self.done = False
+        self._steps = self._search()
+
+    def _runs(self, capacity: int) -> bool:
+        return runs_on_card(self.events, capacity) is not None
+
+    def _search(self):
+        self.high = runs_on_card(self.events, None)
+        yield
+        far = self.high > 2 * self.low
+        if self.high - self.low <= self.precision or (not far and not self._runs(self.high - self.precision)):
+            return
+        self.high -= self.precision
+        yield
+        step = self.precision
+        while far and self.low + step < self.high:
+            ran = self._runs(self.low + step)
+            if ran:
+                self.high = self.low + step
+            else:
+                self.low, step = self.low + step, step * 2
+            yield
+            if ran:
+                break
+        while self.high - self.low > self.precision:
+            mid = (self.low + self.high) // 2
+            if self._runs(mid):
+                self.high = mid
+            else:
+                self.low = mid
+            yield
+
+    def step(self) -> None:
+        if not self.done and next(self._steps, StopIteration) is StopIteration:
+            self.done, self.events = True, []  # the answer is known: the events are no longer needed
+
+    def finish(self) -> None:
+        while not self.done:
+            self.step()
+
+    def settle_within(self, bound: int) -> bool:
+        """Whether the answer is at most `bound`, replaying only as far as needed to know."""
+        if self.high is None:
+            self.step()
+        while not self.done and self.high > bound:
+            self.step()
+        return self.high <= bound
 
 
 def peak_allocated_bytes(events: list[AllocEvent]) -> int:
