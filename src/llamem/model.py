@@ -28,6 +28,8 @@ _CONFIG_CLASS = {"llama": "LlamaConfig", "mistral": "MistralConfig"}
 
 # torch sizes and element counts are int64: a larger dimension cannot be built.
 _INT64_MAX = 2**63 - 1
+MAX_LAYERS = 1024
+"""Layers are sized one by one in places (allocation schedules, per-tensor rounding): at most 1,024."""
 
 # A config.json is a few KiB; anything this large is a weights file passed by mistake.
 _MAX_CONFIG_BYTES = 16 * 2**20
@@ -53,6 +55,8 @@ class FieldRule:
     """Model types whose transformers model uses the field; the others ignore it."""
     ignored_why: str = ""
     """Why a model type outside `read_by` ignores the field, and what to use instead."""
+    maximum: int = 2**63 - 1
+    """The largest value llamem sizes (an int64 for sizes; layers are counted one by one)."""
 
 
 _NO_SLIDING = "llama has no sliding window (LlamaForCausalLM attends to every token); use a mistral config"
@@ -62,7 +66,7 @@ _NO_BIAS = "mistral has no biases (MistralForCausalLM builds every Linear with b
 FIELDS: dict[str, FieldRule] = {
     "hidden_size": FieldRule(kind="int", required=True),
     "intermediate_size": FieldRule(kind="int", required=True),
-    "num_hidden_layers": FieldRule(kind="int", required=True),
+    "num_hidden_layers": FieldRule(kind="int", required=True, maximum=MAX_LAYERS),
     "num_attention_heads": FieldRule(kind="int", required=True),
     "num_key_value_heads": FieldRule(kind="int", null_ok_for=("llama",)),
     "head_dim": FieldRule(kind="int", null_ok_for=SUPPORTED_MODEL_TYPES),
@@ -392,7 +396,9 @@ def _int_problem(key: str, value: Any, rule: FieldRule) -> str | None:
         return f"{shown}: must be a whole number, not {_json_type(value)}: {fix}"
     if value < 1:
         return f"{shown}: must be at least 1{_zero_hint(key)}"
-    if value > _INT64_MAX:
+    if value > rule.maximum:
+        if rule.maximum < _INT64_MAX:
+            return f"{shown}: llamem sizes at most {rule.maximum:,} (the largest LLaMA-family models have under 200)"
         return f"{shown}: larger than 2**63 - 1, the largest size torch can hold: give the real size"
     return None
 
@@ -546,17 +552,14 @@ def spec_from_config(config: dict[str, Any], *, name: str, hf_id: str | None = N
 def read_config(path: str | Path) -> dict[str, Any]:
     """The JSON object of a config.json, or of the config.json inside a directory."""
     path = _config_file(_expand(Path(path)))
+    from llamem.files import read_limited
+
+    raw = read_limited(path, _MAX_CONFIG_BYTES, "config.json (a weights file?): pass the model's config.json",
+                       ConfigError)
     try:
-        if path.stat().st_size > _MAX_CONFIG_BYTES:
-            raise ConfigError(f"{path}: {path.stat().st_size} bytes is too large for a config.json "
-                              "(a weights file?): pass the model's config.json")
-        text = path.read_bytes().decode("utf-8-sig")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file (a weights file?): pass the model's config.json") from None
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{path}: cannot read it ({err})") from None
     try:
         config = json.loads(text)
     except (ValueError, RecursionError) as err:

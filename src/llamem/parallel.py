@@ -37,6 +37,8 @@ from llamem.workload import Workload
 Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 HOST_BUFFER_FACTOR = 1.5
+MAX_GPUS = 2**17
+"""The largest layout sized: beyond the biggest clusters built (about 100,000 GPUs)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,8 +111,8 @@ def make_layout(spec: ModelSpec, w: Workload, *, gpus: int = 1, tp: int = 1, pp:
                 offload: str = "none", pp_schedule: str = "1f1b") -> Layout:
     """The layout of `llamem estimate --gpus/--tp/--pp/--sharding/--offload`, checked; every problem is
     reported at once, each with the flag to change."""
-    if min(gpus, tp, pp) < 1:
-        raise InvalidWorkload(["--gpus, --tp and --pp must be at least 1"])
+    if min(gpus, tp, pp) < 1 or max(gpus, tp, pp) > MAX_GPUS:
+        raise InvalidWorkload([f"--gpus, --tp and --pp must be from 1 to {MAX_GPUS:,}"])
     problems = []
     if gpus % (tp * pp):
         problems.append(f"--gpus {gpus} is not a multiple of --tp {tp} x --pp {pp}")

@@ -246,7 +246,13 @@ def replica_shares(w: Workload, dp: int, fixed_micro_batch: bool) -> list[tuple[
     share = total // dp
     if fixed_micro_batch:
         return [(share, 1)]
-    return [(m, share // m) for m in range(min(w.batch, share), 0, -1) if share % m == 0]
+    return [(m, share // m) for m in divisors(share) if m <= w.batch]
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, largest first (in O(sqrt n): a batch can be 65,536)."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]), reverse=True)
 
 
 def memory_knobs(space: Space, w: Workload) -> list[tuple[dict, bool]]:
@@ -498,11 +504,12 @@ def _layout_step(current: Workload, layout: Layout, target: Layout):
     target = dataclasses.replace(target, microbatches=layout.microbatches)
     if target == layout:
         return None
-    if current.is_training:
-        share = current.batch * current.grad_accum * layout.dp // target.dp
-        micro = max(m for m in range(1, min(current.batch, share) + 1) if share % m == 0)
+    total = current.batch * current.grad_accum * layout.dp
+    if current.is_training and total % target.dp == 0:
+        share = total // target.dp
+        micro = next(m for m in divisors(share) if m <= current.batch)
         current = dataclasses.replace(current, batch=micro, grad_accum=share // micro)
-    elif current.batch * layout.dp % target.dp == 0:
+    elif not current.is_training and current.batch * layout.dp % target.dp == 0:
         current = dataclasses.replace(current, batch=current.batch * layout.dp // target.dp)
     return current, target, LAYOUT_TITLE, target.describe(), LAYOUT_REASON
 
@@ -546,8 +553,10 @@ def _search_counts(space: Space, w: Workload, num_gpus: int, max_gpus: int | Non
 def _assemble(space: Space, w: Workload, num_gpus: int, found: Found, maximized: dict | None) -> Plan:
     final = found.best or found.closest
     if final is None:
-        raise DoesNotFit(f"no configuration of {space.spec.name} can run on {num_gpus} x {space.gpu.name}: "
-                         "check --gpus against the model's heads and layers")
+        why = " ".join(_batch_notes(space, w, num_gpus)) or (
+            f"no layout of {num_gpus} GPUs suits the model's {space.spec.num_heads} heads and "
+            f"{space.spec.num_layers} layers: try another --gpus")
+        raise DoesNotFit(f"no configuration of {space.spec.name} can run on {num_gpus} x {space.gpu.name}: {why}")
     start = _start(space, w, num_gpus, final, maximized)
     notes = _batch_notes(space, w, num_gpus)
     if found.best is None and final.host_bytes > space.host_budget_bytes:
@@ -566,8 +575,10 @@ def _start(space: Space, w: Workload, num_gpus: int, reference: Candidate, maxim
     """The request as asked, on the given GPUs with plain data parallelism (at the size found when
     maximizing)."""
     if maximized:
-        w = dataclasses.replace(w, batch=reference.workload.batch, seq=reference.workload.seq,
-                                grad_accum=1 if maximized["what"] == "batch" else w.grad_accum)
+        # The size found, as a global batch: the reference runs its share on each of its replicas.
+        size = reference.workload.batch * reference.workload.grad_accum * reference.layout.dp
+        w = dataclasses.replace(w, seq=reference.workload.seq, **(
+            {"batch": size, "grad_accum": 1} if maximized["what"] == "batch" else {}))
     shares = replica_shares(w, num_gpus, fixed_micro_batch=False)
     dp = num_gpus if shares else 1
     micro, accum = shares[0] if shares else (w.batch, w.grad_accum)

@@ -6,6 +6,7 @@ GiB (2**30) is what memory is printed in; GB (10**9) is only for a vendor's card
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from llamem.errors import LlamemError
 
@@ -24,6 +25,8 @@ _UNITS = {
     "kb": KB, "mb": MB, "gb": GB, "tb": TB,
     "k": KiB, "m": MiB, "g": GiB, "t": TiB,
 }
+MAX_SIZE_BYTES = 2**50
+"""Sizes beyond 1 PiB are refused: no card or host has that much, and the arithmetic stays exact."""
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -39,9 +42,11 @@ def parse_size(text: str, flag: str = "size") -> int:
         raise LlamemError(
             f"cannot read {flag} {text!r}: write a number and a unit, for example 22GiB, 80GB or 512MiB"
         )
-    num_bytes = int(float(match.group(1)) * _UNITS[unit])
+    num_bytes = int(Decimal(match.group(1)) * _UNITS[unit])
     if num_bytes <= 0:
         raise LlamemError(f"{flag} {text!r} must be larger than zero")
+    if num_bytes > MAX_SIZE_BYTES:
+        raise LlamemError(f"{flag} {text!r} is more than 1 PiB: give the memory of one card or host, such as 80GB")
     return num_bytes
 
 

@@ -30,6 +30,12 @@ TRAINING_TASKS = ("train", "lora", "qlora", "distill")
 ADAPTER_TASKS = ("lora", "qlora")
 LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_TARGETS_DEFAULT = ("q_proj", "v_proj")
+MAX_BATCH = 2**16
+"""Batch and accumulation steps up to 65,536; sequence and generated tokens up to 2**22 (4M); LoRA rank
+and checkpointing interval up to 65,536. Beyond these no real run goes, and the sizes of the largest
+tensors would leave what the allocator can address."""
+MAX_TOKENS = 2**22
+MAX_RANK = 2**16
 MAX_PREFILL_CHUNKS = 512
 """A prompt is sized in at most 512 prefill chunks. Each chunk is a forward over every weight, so
 smaller chunks only slow generation down (at 512 chunks the weights are read 512 times before the
@@ -137,11 +143,13 @@ def _value_problems(w: Workload) -> list[str]:
     _check_choice(problems, "--attn", w.attn, Attention)
     _check_choice(problems, "--kv-dtype", w.kv_dtype, KVDType)
     _check_choice(problems, "--loss", w.loss, Loss)
-    for flag, value, low in (("--batch", w.batch, 1), ("--seq", w.seq, 1), ("--new-tokens", w.new_tokens, 0),
-                             ("--grad-accum", w.grad_accum, 1), ("--lora-rank", w.lora_rank, 1),
-                             ("--ac every-K", w.ac_every, 0), ("--prefill-chunk", w.prefill_chunk, 0)):
-        if not isinstance(value, int) or value < low:
-            problems.append(f"{flag} must be an integer >= {low}, got {value!r}")
+    for flag, value, low, high in (("--batch", w.batch, 1, MAX_BATCH), ("--seq", w.seq, 1, MAX_TOKENS),
+                                   ("--new-tokens", w.new_tokens, 0, MAX_TOKENS),
+                                   ("--grad-accum", w.grad_accum, 1, MAX_BATCH), ("--lora-rank", w.lora_rank, 1, MAX_RANK),
+                                   ("--ac every-K", w.ac_every, 0, MAX_RANK),
+                                   ("--prefill-chunk", w.prefill_chunk, 0, MAX_TOKENS)):
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            problems.append(f"{flag} must be an integer from {low} to {high:,}, got {value!r}")
     bad_targets = [t for t in w.lora_targets if t not in LORA_TARGETS_ALL]
     if bad_targets or not w.lora_targets:
         problems.append(f"--lora-targets {','.join(w.lora_targets)!r}: choose from {','.join(LORA_TARGETS_ALL)} "

@@ -16,6 +16,7 @@ from llamem.allocator.restore import resolve_start, restore_start
 from llamem.allocator.simulator import Block, CachingAllocatorSim, SimulatedOOM
 from llamem.allocator.trace_input import AllocEvent, TraceFormatError
 from llamem.allocator.window import LoadedTrace, StartState, load_trace, trace_from_data
+from llamem.errors import LlamemError
 
 MAX_EVENT_WARNINGS = 10
 
@@ -222,6 +223,9 @@ class SmallestCardSearch:
 
     def _search(self):
         self.high = runs_on_card(self.events, None)
+        if self.high is None:  # a request beyond what any allocator can address (2**64 bytes)
+            raise LlamemError("a single allocation of this workload exceeds 16 EiB, more than any allocator "
+                              "addresses: check the model's sizes and the workload's batch and sequence")
         yield
         far = self.high > 2 * self.low
         if self.high - self.low <= self.precision or (not far and not self._runs(self.high - self.precision)):

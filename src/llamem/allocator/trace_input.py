@@ -98,19 +98,18 @@ class _NoGlobalsUnpickler(pickle.Unpickler):
                                "plain data, and this file asks to import code; it was not loaded")
 
 
+MAX_TRACE_BYTES = 4 * 2**30
+"""Trace files are read whole: a snapshot of a million entries is a few hundred MiB."""
 _EXPECTED_FILE = ("expected a memory snapshot from torch.cuda.memory._dump_snapshot (pickle), its JSON form, "
                   "or the output of `llamem trace --save-trace`")
 
 
 def read_data(path: str | Path):
     """The file's content as plain Python data (pickle or JSON), or TraceFormatError."""
+    from llamem.files import read_limited
+
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise TraceFormatError(f"{path}: no such file") from None
-    except OSError as err:
-        raise TraceFormatError(f"{path}: cannot be read ({err.strerror or err})") from None
+    raw = read_limited(path, MAX_TRACE_BYTES, "allocation trace", TraceFormatError)
     if not raw.strip():
         raise TraceFormatError(f"{path}: the file is empty; {_EXPECTED_FILE}")
     if raw[:1] == b"\x80":  # pickle protocol 2 and later, as _dump_snapshot writes
@@ -181,7 +180,7 @@ def llamem_events(data: dict, label: str) -> list[AllocEvent]:
         where = f"{label}: events[{index}]"
         item = _dict(item, where, "an event")
         action = item.get("action")
-        if action not in LLAMEM_ACTIONS:
+        if not isinstance(action, str) or action not in LLAMEM_ACTIONS:
             raise TraceFormatError(f"{where}: 'action' must be 'alloc' or 'free', got {_shown(action)}")
         addr = _get_int(item, where, "addr", _ADDRESS)
         size = _get_int(item, where, "size", _SIZE)
@@ -257,7 +256,7 @@ def _blocks(value, segment_where: str):
         where = f"{segment_where}.blocks[{index}]"
         item = _dict(item, where, "a block")
         state = item.get("state")
-        if state not in BLOCK_STATES:
+        if not isinstance(state, str) or state not in BLOCK_STATES:
             raise TraceFormatError(f"{where}: 'state' must be one of {', '.join(sorted(BLOCK_STATES))}, "
                                    f"got {_shown(state)}")
         yield BlockInfo(_get_int(item, where, "address", _ADDRESS), _get_int(item, where, "size", _SIZE),

@@ -29,7 +29,7 @@ def workload_options(command):
     options from its record in `llamem.techniques`."""
     options = [
         click.argument("model", required=False),
-        click.option("--config", "config_path", type=click.Path(), help="A local LLaMA/Mistral config.json."),
+        click.option("--config", "config_path", help="A local LLaMA/Mistral config.json."),
         click.option("--override", "overrides", multiple=True, metavar="KEY=VALUE",
                      help="Change a config field, e.g. num_hidden_layers=8 (pruning, quick runs)."),
         click.option("--task", type=click.Choice(ALL_TASKS), default="train", show_default=True),
@@ -102,7 +102,7 @@ def estimate(as_json, gpus, tp, pp, sharding, offload, pp_schedule, **options):
 
 @app.command()
 @workload_options
-@click.option("--save-trace", type=click.Path(), help="Write every allocation and free as JSON.")
+@click.option("--save-trace", help="Write every allocation and free as JSON.")
 def trace(as_json, save_trace, **options):
     """The same report, exact: runs the real transformers code on fake tensors (needs torch)."""
     from llamem.files import check_writable
@@ -143,8 +143,10 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
     if bool(gpu_name) == bool(budget):
         raise UsageError("name a card with --gpu NAME (see `llamem gpus`) or give a memory budget with "
                          "--budget SIZE (for example 22GiB), one of the two")
-    if gpus < 1:
-        raise LlamemError(f"--gpus must be at least 1, got {gpus}")
+    from llamem.parallel import MAX_GPUS
+
+    if not 1 <= gpus <= MAX_GPUS:
+        raise LlamemError(f"--gpus must be from 1 to {MAX_GPUS:,}, got {gpus}")
     spec, workload, teacher, names = resolve(**options)
     gpu = get_gpu(gpu_name) if gpu_name else budget_gpu(parse_size(budget, "--budget"))
     host = parse_size(host_memory, "--host-memory") if host_memory else _host_memory_bytes()

@@ -16,14 +16,14 @@ def allocator():
 
 
 @allocator.command()
-@click.argument("trace_file", type=click.Path())
+@click.argument("trace_file")
 @click.option("--config", "alloc_conf", default="", help="PYTORCH_CUDA_ALLOC_CONF to simulate, "
               "e.g. expandable_segments:True")
 @click.option("--capacity", help="Memory cudaMalloc can get (e.g. 24GiB); an OOM is reported where it runs out.  "
               "[default: inferred when the snapshot ends with an out-of-memory error]")
 @click.option("--device-total", help="The card's total memory, for the OOM message.  [default: --capacity]")
 @click.option("--summary", is_flag=True, help="Print a torch.cuda.memory_summary()-like table.")
-@click.option("--snapshot-out", type=click.Path(), help="Write the final state as a torch snapshot (pickle) "
+@click.option("--snapshot-out", help="Write the final state as a torch snapshot (pickle) "
               "for torch.cuda._memory_viz or pytorch.org/memory_viz.")
 @click.option("--advise/--no-advise", default=True, show_default=True,
               help="Replay with other settings and say which would help.")

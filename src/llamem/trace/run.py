@@ -22,6 +22,8 @@ from llamem.workload import LOSS_CHUNKS, Workload
 
 TRAIN_PHASES = ["load", "forward", "backward", "optimizer"]
 INFER_PHASES = ["load", "prefill", "decode"]
+TRACED_MICRO_BATCHES = 2
+"""Accumulation steps traced per optimizer step: the second and every later one are alike."""
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCK = 256
 
@@ -194,6 +196,8 @@ class EmulatedAdafactor(torch.optim.Optimizer):
                     state["variance"] = torch.zeros_like(param)
         for multidim in (True, False):
             group = [p for p in params if (p.dim() > 1) == multidim]
+            if not group:  # LoRA trains matrices only: no vectors
+                continue
             updates = [self.state[p]["row_var"] @ self.state[p]["col_var"] if multidim
                        else self.state[p]["variance"].clone() for p in group]
             torch._foreach_mul_(updates, [p.grad for p in group])
@@ -262,7 +266,9 @@ def train_steps(model, teacher, optimizer, workload: Workload, spec: ModelSpec, 
            device: str = "cpu") -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     for step in range(2):
-        for _micro in range(workload.grad_accum):
+        # From the second micro-batch on every one is alike (earlier gradients exist, new ones are added
+        # in place), so two stand for any number of accumulation steps.
+        for _micro in range(min(workload.grad_accum, TRACED_MICRO_BATCHES)):
             tracer.phase = "forward" if step else "warmup"
             ids = _inputs(workload, spec, tracer, device)
             tracer.category = "activations"
