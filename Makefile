@@ -4,7 +4,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 # The dev environment is pinned; pyproject.toml accepts a range for users with CUDA builds.
-PINS := torch==2.13.0 transformers==5.24.0 accelerate==1.15.0 peft==0.21.2 deepspeed==0.19.8 pytest==9.2.0 hypothesis==6.170.17
+PINS := torch==2.13.0 transformers==5.24.0 accelerate==1.15.0 peft==0.21.2 deepspeed==0.19.8 pytest==9.2.0 hypothesis==6.170.17 matplotlib==3.11.2 nvidia-ml-py==13.615.71
 
 .PHONY: setup demo test bench golden clean
 

@@ -48,6 +48,7 @@ class PhaseMeter:
 
 
 def nvml_used_bytes(device_index: int = 0) -> int | None:
+    """What nvidia-smi shows in use on the device (all processes), or None without nvidia-ml-py."""
     try:
         import pynvml
     except ImportError:

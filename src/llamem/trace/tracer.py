@@ -39,7 +39,7 @@ class Event:
     phase: str
 
 
-_COPY_OPS = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.clone.default}
+COPY_OPS = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.clone.default}
 
 
 class StorageTracer(TorchDispatchMode):
@@ -82,7 +82,7 @@ class StorageTracer(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         category = self.category
         # Autocast's casts of a weight are weight copies, whichever module asks for them.
-        if func in _COPY_OPS and args and isinstance(args[0], torch.Tensor):
+        if func in COPY_OPS and args and isinstance(args[0], torch.Tensor):
             source = self.live.get(id(args[0].untyped_storage()))
             if source is not None and source in self.weight_record_ids:
                 category = "weights/autocast_copies"
