@@ -254,3 +254,27 @@ def test_gpipe_keeps_every_micro_batch_in_flight(capsys):
     one, g = json.loads(one_f_one_b), json.loads(gpipe)
     # 1F1B keeps min(p, M) = 4 micro-batches' activations, GPipe all 16.
     assert g["phase_breakdowns"]["forward"]["activations"] == 4 * one["phase_breakdowns"]["forward"]["activations"]
+
+
+def test_ladder_keeps_the_global_batch_before_the_layout_changes(tmp_path):
+    """The micro-batch step comes before the layout step: on 2 data-parallel replicas, the final
+    single replica's 4 accumulation steps are 2 per replica (the global batch stays 4), and no
+    sequence-length step appears to undo a doubled batch when the sequence never changed."""
+    import json
+
+    from llamem.gpus import budget_gpu
+    from llamem.model import load_model
+    from llamem.plan import make_plan
+    from llamem.workload import build_workload
+
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 512, "max_position_embeddings": 2048}))
+    plan = make_plan(load_model(config_path=path), build_workload("train", batch=4, seq=512),
+                     budget_gpu(450 * 2**20), num_gpus=2, host_budget_bytes=2**40)
+    assert (plan.start.layout.dp, plan.final.layout.dp, plan.final.workload.grad_accum) == (2, 1, 4)
+    assert plan.final.workload.seq == 512
+    assert [s.technique for s in plan.steps][-1] == "parallelism / sharding / offload"
+    [batch_step] = [s for s in plan.steps if s.technique.startswith("micro-batch")]
+    assert batch_step.change == "micro-batch 1 x 2 accumulation steps"

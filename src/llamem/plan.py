@@ -457,7 +457,7 @@ def ladder(space: Space, start: Candidate, final: Candidate) -> tuple[Step, ...]
         if name == "layout":
             moved = _layout_step(current_w, current_layout, final.layout)
         else:
-            moved = _record_step(name, current_w, current_layout, final.workload, split)
+            moved = _record_step(name, current_w, current_layout, final.workload, split, final.layout.dp)
         if moved is None:
             continue
         current_w, current_layout, title, change, reason = moved
@@ -471,11 +471,11 @@ def ladder(space: Space, start: Candidate, final: Candidate) -> tuple[Step, ...]
     return tuple(steps)
 
 
-def _record_step(name: str, current: Workload, layout: Layout, final: Workload, split: int):
+def _record_step(name: str, current: Workload, layout: Layout, final: Workload, split: int, final_dp: int):
     """(new workload, layout, title, change, reason) when the technique `name` differs between the two."""
     record = BY_NAME[name]
     if name == "batch":
-        target = {"batch": final.batch, "grad_accum": final.grad_accum // split}
+        target = {"batch": final.batch, "grad_accum": _accumulation(final, split, final_dp, layout.dp)}
     elif name == "seq":
         target = {"seq": final.seq, "grad_accum": final.grad_accum}
     elif name == "qlora":
@@ -497,6 +497,13 @@ def _seq_change(current: Workload, final: Workload, split: int) -> str:
     if current.task == "infer":
         return f"keep the last {final.seq} prompt tokens"
     return f"sequences of {final.seq} tokens"
+
+
+def _accumulation(final: Workload, split: int, final_dp: int, dp: int) -> int:
+    """The final micro-batch's accumulation steps on the current replicas: the global batch kept
+    while the layout (applied later in the ladder) still has `dp` replicas, not the final `final_dp`."""
+    total = final.grad_accum // split * final_dp
+    return total // dp if total % dp == 0 else final.grad_accum // split
 
 
 def _layout_step(current: Workload, layout: Layout, target: Layout):
