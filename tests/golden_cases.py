@@ -40,7 +40,9 @@ CASES: dict[str, list[str]] = {
     "error_unknown_model.txt": ["estimate", "llama-3.1-8"],
     "error_json.txt": ["estimate", "llama-2-7b", "--batch", "0", "--json"],
 }
-HELP = [[], ["estimate"], ["trace"], ["plan"], ["gpus"], ["models"], ["allocator"], ["allocator", "replay"]]
+HELP = [[], ["estimate"], ["trace"], ["plan"], ["gpus"], ["models"], ["allocator"], ["allocator", "replay"], ["doctor"],
+        ["explain-oom"], ["monitor"], ["report"]]
+"""Every command's --help (tests/test_golden.py checks that none is missing)."""
 CASES.update({"help_" + ("_".join(args) or "llamem") + ".txt": [*args, "--help"] for args in HELP})
 
 

@@ -24,3 +24,20 @@ def workdir(tmp_path_factory):
 def test_output_is_unchanged(name, workdir):
     expected = (HERE / name).read_text()
     assert render(CASES[name]) == expected, f"{name} changed: run `make golden` if the change is intended"
+
+
+def test_every_command_has_its_help_pinned():
+    import click
+
+    from golden_cases import HELP
+    from llamem.cli import _register_groups, app
+
+    _register_groups()
+
+    def paths(command, prefix):
+        yield prefix
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                yield from paths(sub, [*prefix, name])
+
+    assert sorted(paths(app, [])) == sorted(HELP)

@@ -20,9 +20,9 @@ from llamem.errors import LlamemError
 
 MAX_EVENT_WARNINGS = 10
 
-__all__ = ["AllocEvent", "LoadedTrace", "ReplayResult", "TraceFormatError", "events_from_data", "load_events",
-           "load_trace", "peak_allocated_bytes", "replay", "replay_trace", "runs_on_card", "smallest_card",
-           "trace_from_data"]
+__all__ = ["AllocEvent", "LoadedTrace", "ReplayResult", "TraceFormatError", "empty_cache_comparison",
+           "events_from_data", "load_events", "load_trace", "peak_allocated_bytes", "replay", "replay_trace",
+           "runs_on_card", "smallest_card", "trace_from_data"]
 
 
 def load_events(path: str | Path) -> list[AllocEvent]:
@@ -52,6 +52,9 @@ class ReplayResult:
     """The memory put in before the first event (a trace that starts late)."""
     capacity_bytes: int | None = None
     capacity_inferred: bool = False
+    empty_cache_every: int = 0
+    """torch.cuda.empty_cache() ran before every allocation that followed this many (0: never)."""
+    num_empty_cache_calls: int = 0
 
     @property
     def completes(self) -> bool:
@@ -98,12 +101,18 @@ class ReplayResult:
 
 def replay(events: list[AllocEvent], config: AllocatorConfig | None = None, *, capacity_bytes: int | None = None,
            device_total_bytes: int | None = None, record_trace: bool = False,
-           start: StartState | None = None) -> ReplayResult:
-    """Replay `events`; with `start`, the memory live before the first one is put in first."""
+           start: StartState | None = None, empty_cache_every: int = 0) -> ReplayResult:
+    """Replay `events`; with `start`, the memory live before the first one is put in first. With
+    `empty_cache_every` N > 0, `torch.cuda.empty_cache()` runs before allocation N+1, 2N+1, ...:
+    after every N allocations and the frees that follow them, as a training loop calling it
+    between steps would."""
+    if empty_cache_every < 0:
+        raise LlamemError(f"empty_cache_every must be 0 (never) or a number of allocations, got {empty_cache_every}")
     sim = CachingAllocatorSim(config, capacity_bytes=capacity_bytes, device_total_bytes=device_total_bytes,
                               record_trace=record_trace)
     warnings: list[str] = []
-    result = ReplayResult(sim, len(events), 0, 0, 0, 0, warnings=warnings, start=start)
+    result = ReplayResult(sim, len(events), 0, 0, 0, 0, warnings=warnings, start=start,
+                          empty_cache_every=empty_cache_every)
     live: dict[int, Block] = {}
     if start is not None:
         try:
@@ -111,17 +120,22 @@ def replay(events: list[AllocEvent], config: AllocatorConfig | None = None, *, c
         except SimulatedOOM as oom:
             warnings.append("out of memory before the first event, while allocating the blocks live then")
             return _finish(result, 0, 0, oom)
-    index, oom, result.reserved_at_allocated_peak_bytes = _run(sim, events, live, warnings)
+    index, oom, result.reserved_at_allocated_peak_bytes = _run(sim, events, live, warnings, result)
     return _finish(result, index, events[index].entry if oom is not None else None, oom)
 
 
-def _run(sim: CachingAllocatorSim, events: list[AllocEvent], live: dict[int, Block],
-         warnings: list[str]) -> tuple[int, SimulatedOOM | None, int]:
+def _run(sim: CachingAllocatorSim, events: list[AllocEvent], live: dict[int, Block], warnings: list[str],
+         result: ReplayResult) -> tuple[int, SimulatedOOM | None, int]:
     """(events replayed, or the index of the one that ran out; the error; reserved at the allocated peak)."""
     allocated_stat, reserved_stat = sim.stats["allocated_bytes"][0], sim.stats["reserved_bytes"][0]
     peak_allocated, reserved_at_peak = allocated_stat.current, reserved_stat.current
+    every, num_allocs = result.empty_cache_every, 0
     for index, event in enumerate(events):
         if event.action == "alloc":
+            if every and num_allocs and num_allocs % every == 0:
+                sim.empty_cache()
+                result.num_empty_cache_calls += 1
+            num_allocs += 1
             try:
                 block = sim.malloc(event.size, event.stream)
             except SimulatedOOM as oom:
@@ -153,7 +167,8 @@ def _finish(result: ReplayResult, index: int, entry: int | None, oom: SimulatedO
 
 
 def replay_trace(trace: LoadedTrace, config: AllocatorConfig | None = None, *, capacity_bytes: int | None = None,
-                 device_total_bytes: int | None = None, record_trace: bool = False) -> ReplayResult:
+                 device_total_bytes: int | None = None, record_trace: bool = False,
+                 empty_cache_every: int = 0) -> ReplayResult:
     """Replay a loaded file with what it tells beyond its events: the memory live before its first
     entry, and, when it ends with an out-of-memory error and no capacity is given, the capacity
     at that error (then the replay should run out at that entry too). `result.start` is that
@@ -163,7 +178,7 @@ def replay_trace(trace: LoadedTrace, config: AllocatorConfig | None = None, *, c
     events = trace.replay_events(with_failed_alloc=capacity is not None)
     start = resolve_start(trace.start, config) if trace.start is not None else None
     result = replay(events, config, capacity_bytes=capacity, device_total_bytes=device_total_bytes,
-                    record_trace=record_trace, start=start)
+                    record_trace=record_trace, start=start, empty_cache_every=empty_cache_every)
     notes = list(trace.notes)
     if trace.failed_alloc is not None and (inferred or capacity is None):
         notes.append(trace.capacity_note)
@@ -172,6 +187,20 @@ def replay_trace(trace: LoadedTrace, config: AllocatorConfig | None = None, *, c
     result.warnings[:0] = notes
     result.capacity_bytes, result.capacity_inferred = capacity, inferred
     return result
+
+
+def empty_cache_comparison(without: ReplayResult, emptied: ReplayResult) -> dict:
+    """What emptying the cache changes: peak reserved memory, and the segments it allocates again.
+    Every segment returned to the driver must be cudaMalloc'ed again when memory is next needed;
+    each call synchronises the device, so `num_device_alloc` is the time emptying the cache costs."""
+    def figures(result: ReplayResult) -> dict:
+        sim = result.sim
+        return {"peak_reserved_bytes": result.peak_reserved_bytes, "peak_allocated_bytes": result.peak_allocated_bytes,
+                "num_device_alloc": sim.num_device_alloc, "num_device_free": sim.num_device_free,
+                "oom_event_index": result.oom_event_index}
+
+    return {"every_allocations": emptied.empty_cache_every, "num_calls": emptied.num_empty_cache_calls,
+            "with": figures(emptied), "without": figures(without)}
 
 
 def _oom_agreement(entry: int, result: ReplayResult) -> list[str]:

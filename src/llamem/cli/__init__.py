@@ -149,7 +149,7 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
         raise LlamemError(f"--gpus must be from 1 to {MAX_GPUS:,}, got {gpus}")
     spec, workload, teacher, names = resolve(**options)
     gpu = get_gpu(gpu_name) if gpu_name else budget_gpu(parse_size(budget, "--budget"))
-    host = parse_size(host_memory, "--host-memory") if host_memory else _host_memory_bytes()
+    host = parse_size(host_memory, "--host-memory") if host_memory else default_host_memory_bytes()
     result = make_plan(spec, workload, gpu, num_gpus=gpus, host_budget_bytes=host, teacher=teacher,
                        maximize_what=maximize, min_gpus=min_gpus, exact=exact, truncate=not no_truncation,
                        model_args=names)
@@ -166,7 +166,7 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
     return 0
 
 
-def _host_memory_bytes() -> int:
+def default_host_memory_bytes() -> int:
     import os
 
     try:
@@ -197,9 +197,14 @@ def models(as_json):
 
 
 def _register_groups() -> None:
+    """The command groups and runtime commands that live in their own modules."""
     from llamem.cli.allocator import allocator
+    from llamem.cli.doctor import doctor
+    from llamem.cli.monitor import monitor
+    from llamem.cli.runtime_reports import explain_oom, report
 
-    app.add_command(allocator)
+    for command in (allocator, doctor, explain_oom, monitor, report):
+        app.add_command(command)
 
 
 _register_groups()

@@ -10,6 +10,20 @@ import click
 from llamem.errors import EXIT_DOES_NOT_FIT, LlamemError
 
 
+def _allocations_count(_ctx, _param, value: str | None) -> int | None:
+    """--empty-cache-every: a whole number of allocations, 1 or more (a usage error otherwise: exit 2)."""
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.lstrip("+-").isdigit():
+        raise click.BadParameter(f"{value!r} is not a whole number: give how many allocations pass between two "
+                                 "torch.cuda.empty_cache() calls, for example --empty-cache-every 100")
+    if int(text) < 1:
+        raise click.BadParameter(f"{value} allocations: empty the cache after 1 or more allocations, for example "
+                                 "--empty-cache-every 100 (leave the option out to replay without emptying it)")
+    return int(text)
+
+
 @click.group()
 def allocator():
     """The CUDA caching allocator, simulated: reserved memory, fragmentation, OOMs."""
@@ -27,8 +41,11 @@ def allocator():
               "for torch.cuda._memory_viz or pytorch.org/memory_viz.")
 @click.option("--advise/--no-advise", default=True, show_default=True,
               help="Replay with other settings and say which would help.")
+@click.option("--empty-cache-every", metavar="N", callback=_allocations_count,
+              help="Also replay with torch.cuda.empty_cache() after every N allocations (and the frees after "
+              "them); compare peak reserved memory and cudaMalloc calls with and without.")
 @click.option("--json", "as_json", is_flag=True)
-def replay(trace_file, alloc_conf, capacity, device_total, summary, snapshot_out, advise, as_json):
+def replay(trace_file, alloc_conf, capacity, device_total, summary, snapshot_out, advise, empty_cache_every, as_json):
     """Replay an allocation trace: a torch snapshot (JSON or pickle) or `llamem trace --save-trace` output.
 
     Exits with 3 when the replay runs out of memory."""
@@ -49,6 +66,12 @@ def replay(trace_file, alloc_conf, capacity, device_total, summary, snapshot_out
     data = result.to_dict()
     data.update(_advice(trace, result, total_bytes) if advise and not alloc_conf else
                 {"advice": [], "advice_summary": None})
+    if empty_cache_every:
+        from llamem.allocator.replay import empty_cache_comparison
+
+        emptied = replay_trace(trace, config, capacity_bytes=capacity_bytes, device_total_bytes=total_bytes,
+                               empty_cache_every=empty_cache_every)
+        data["empty_cache"] = empty_cache_comparison(result, emptied)
     if snapshot_out:
         _write_snapshot(result.sim, snapshot_out)
     _emit(data, result.sim if summary else None, as_json)

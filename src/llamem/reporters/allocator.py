@@ -22,6 +22,7 @@ def render_replay(data: dict) -> str:
         entry = data["oom"].get("entry_index")
         where = f" (trace entry {entry})" if entry is not None else ""
         lines += [f"OUT OF MEMORY at event {data['oom']['event_index']}{where}:", "  " + data["oom"]["message"]]
+    lines += _empty_cache_lines(data.get("empty_cache"))
     lines += _advice_lines(data)
     for warning in data.get("warnings", []):
         lines.append(f"warning: {warning}")
@@ -34,6 +35,32 @@ def _capacity(data: dict) -> str:
         return ""
     inferred = " (inferred from the snapshot)" if data.get("capacity_inferred") else ""
     return f", within {format_gib(capacity)}{inferred}"
+
+
+def _empty_cache_lines(compare: dict | None) -> list[str]:
+    """Peak reserved memory and cudaMalloc calls with torch.cuda.empty_cache() every N allocations, and without."""
+    if not compare:
+        return []
+    with_, without = compare["with"], compare["without"]
+    saved = without["peak_reserved_bytes"] - with_["peak_reserved_bytes"]
+    change = f"{format_bytes(saved)} less" if saved > 0 else (f"{format_bytes(-saved)} more" if saved else "the same")
+    extra = with_["num_device_alloc"] - without["num_device_alloc"]
+    cost = f"{extra} more" if extra > 0 else (f"{-extra} fewer" if extra else "as many")
+    every, calls = compare["every_allocations"], compare["num_calls"]
+    lines = [
+        f"with torch.cuda.empty_cache() after every {'allocation' if every == 1 else f'{every} allocations'} "
+        f"({calls} {'call' if calls == 1 else 'calls'}): peak reserved {format_bytes(with_['peak_reserved_bytes'])}, "
+        f"without {format_bytes(without['peak_reserved_bytes'])} ({change})",
+        f"  cudaMalloc calls {with_['num_device_alloc']}, without {without['num_device_alloc']} ({cost}: the time "
+        "emptying the cache costs, as each is a slow driver call and every empty_cache synchronises the GPU)",
+    ]
+    if with_["oom_event_index"] != without["oom_event_index"]:
+        def outcome(index):
+            return "completes" if index is None else f"runs out of memory at event {index}"
+
+        lines.append(f"  with it the replay {outcome(with_['oom_event_index'])}; without, it "
+                     f"{outcome(without['oom_event_index'])}")
+    return lines
 
 
 def _advice_lines(data: dict) -> list[str]:

@@ -163,6 +163,9 @@ def _optimizer_of(optimizer, unknown: list[str]) -> str:
     name = type(inner).__name__
     if name not in _OPTIMIZERS:
         unknown.append(f"optimizer: {name} is not one llamem sizes (AdamW assumed)")
+    elif any(group.get("fused") for group in getattr(inner, "param_groups", ())):
+        # The Trainer's default optim="adamw_torch_fused": one kernel, no foreach temporaries.
+        unknown.append(f"optimizer: fused {name} (llamem sizes the foreach step: its optimizer phase errs high)")
     return _OPTIMIZERS.get(name, "adamw")
 
 
