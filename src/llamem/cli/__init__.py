@@ -131,8 +131,10 @@ def trace(as_json, save_trace, **options):
 @click.option("--no-truncation", is_flag=True, help="Never shorten sequences (the last resort when nothing else "
               "fits); report the shortfall instead.")
 @click.option("--code", "show_code", is_flag=True, help="Also print the transformers / peft code that applies the plan.")
+@click.option("--emit", "emit_dir", metavar="DIR", help="Write a launch bundle of the plan into DIR: train.py, "
+              "launch.sh (torchrun / DeepSpeed), configs, README.")
 def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verify, exact, no_truncation, show_code,
-         **options):
+         emit_dir, **options):
     """The cheapest set of changes that fits a GPU: a ladder, and the command that reproduces it.
     With several GPUs, --batch x --grad-accum is the global batch per optimizer step."""
     from llamem.gpus import budget_gpu, get_gpu
@@ -158,6 +160,10 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
 
         result = verify_plan(result)
     click.echo(json.dumps(plan_to_dict(result), indent=2) if as_json else render_plan(result, show_code=show_code))
+    if emit_dir:
+        from llamem.bundle.emit import emit_for_cli
+
+        click.echo(emit_for_cli(result, emit_dir), err=as_json)
     if not result.fits:
         if as_json:  # the plan's JSON says so ("fits": false, "shortfall_bytes"): one document on stdout
             click.echo(f"error: {does_not_fit(result)}", err=True)

@@ -1,0 +1,63 @@
+"""train.py: the plan's settings and model-loading code, then `train_body.py`'s text.
+
+The model is loaded by the lines `llamem plan --code` prints (`llamem.techniques.workload_code`:
+dtype, attention, quantization, LoRA), so the bundle and the snippet cannot disagree.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from llamem.techniques import workload_code
+from llamem.workload import Workload
+
+BODY = Path(__file__).with_name("train_body.py")
+
+
+def train_script(w: Workload, settings: dict, title: str) -> str:
+    imports, code = _body_parts(BODY.read_text())
+    parts = [f'#!/usr/bin/env python\n"""{title}\n\nWritten by `llamem plan --emit`; launch it with launch.sh '
+             '(README.md). `python train.py --help` lists its options.\n"""\n\nfrom __future__ import annotations\n',
+             imports, _model_imports(w), _plan_literal(settings), "", "", _load_model(w), code.rstrip("\n"), "", "",
+             'if __name__ == "__main__":', "    main(PLAN, load_model)"]
+    return "\n".join(parts) + "\n"
+
+
+def _body_parts(text: str) -> tuple[str, str]:
+    """(the body's imports, the rest), without its docstring and its `from __future__` line."""
+    tree = ast.parse(text)
+    lines = text.splitlines()
+    imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+               and getattr(n, "module", None) != "__future__"]
+    start, end = imports[0].lineno - 1, imports[-1].end_lineno
+    return "\n".join(lines[start:end]) + "\n", "\n".join(lines[end:]).lstrip("\n")
+
+
+def _model_imports(w: Workload) -> str:
+    code = workload_code(w)
+    names = ["AutoConfig", "AutoModelForCausalLM", *(i for i in code.imports if i != "TrainingArguments")]
+    lines = ["from transformers import " + ", ".join(names)]
+    if w.uses_adapters:
+        lines.append("from peft import LoraConfig, get_peft_model" +
+                     (", prepare_model_for_kbit_training" if w.task == "qlora" else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _load_model(w: Workload) -> str:
+    code = workload_code(w)
+    built = [o for o in code.load_options if not o.startswith("quantization_config")]
+    body = [*code.before_load,
+            "if random_init:",
+            "    config = AutoConfig.from_pretrained(Path(__file__).resolve().parent)  # the bundle's config.json",
+            f"    model = AutoModelForCausalLM.from_config(config, {', '.join(built)})",
+            "else:",
+            f"    model = AutoModelForCausalLM.from_pretrained(checkpoint, {', '.join(code.load_options)})",
+            *code.after_load, "return model"]
+    return "\n".join(['def load_model(random_init: bool, checkpoint: str | None):',
+                      '    """The model as the plan loads it: the lines `llamem plan --code` prints."""',
+                      *("    " + line for line in body)]) + "\n\n"
+
+
+def _plan_literal(settings: dict) -> str:
+    return "\n".join(["PLAN = {", *(f"    {key!r}: {value!r}," for key, value in settings.items()), "}"])

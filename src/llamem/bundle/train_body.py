@@ -1,0 +1,398 @@
+"""The body of a launch bundle's train.py: `llamem.bundle` writes the plan's settings (`PLAN`) and
+its model-loading code (`load_model`) above this text and `main(PLAN, load_model)` below it.
+
+One process per planned GPU, started by torchrun, the DeepSpeed launcher or accelerate. Each
+runs the plan's configuration on random token ids for `--max-steps` optimizer steps and prints
+its loss and peak memory per step. `--cpu` runs the same processes on CPU with the gloo backend,
+each counted by llamem's CpuMemoryTracker as if it were a GPU (when llamem is installed).
+
+The strategies, as `llamem.parallel` sizes them:
+- single: one GPU, no wrapper;
+- ddp: torch DistributedDataParallel, autocast for mixed precision;
+- fsdp2: `fully_shard` on the embedding, each decoder layer, the head, then the root (ZeRO-3), with a
+  MixedPrecisionPolicy;
+- deepspeed: ZeRO-1/2/3 with optional CPU offload, from ds_config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(plan: dict, argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=f"Train {plan['model_name']} as planned by llamem "
+                                     f"({plan['layout_description']}) on random token ids.")
+    parser.add_argument("--cpu", action="store_true", help="Run every planned GPU as a CPU process (gloo backend); "
+                        "each process's memory is counted by llamem's CpuMemoryTracker.")
+    parser.add_argument("--random-init", action="store_true",
+                        help="Build the model from the bundle's config.json with random weights (no download).")
+    parser.add_argument("--max-steps", type=int, default=plan["max_steps"], help="Optimizer steps to run.")
+    parser.add_argument("--model", default=plan["model_id"], help="Checkpoint to load (a Hugging Face id or a "
+                        "local directory).")
+    parser.add_argument("--memory-log", default="memory-rank{rank}.jsonl",
+                        help="llamem's MemoryMonitor log per rank ({rank} is replaced), when llamem is installed.")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.max_steps < 1:
+        parser.error("--max-steps must be at least 1")
+    return args
+
+
+def refuse(plan: dict, args: argparse.Namespace) -> None:
+    """Exit 1 with the reason, before any work, when this bundle cannot run the plan as asked."""
+    problems = [plan["unsupported"]] if plan["unsupported"] else []
+    if args.random_init and plan["quantized"]:
+        problems.append("--random-init cannot build a quantized base: bitsandbytes quantizes while loading a "
+                        "checkpoint; drop --random-init")
+    if not args.random_init and not args.model:
+        problems.append("the plan names no checkpoint (its model came from a config file): pass --model ID_OR_PATH, "
+                        "or --random-init to build it from config.json")
+    if args.cpu and plan["quantized"]:
+        problems.append("a quantized base needs bitsandbytes' GPU kernels: run without --cpu")
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        sys.exit(1)
+
+
+# Processes -----------------------------------------------------------------------------------------
+def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) from the launcher's environment; gloo on CPU, NCCL on GPUs."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.cpu:
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if world > 1 or "RANK" in os.environ:
+        dist.init_process_group("gloo" if args.cpu else "nccl")
+    return rank, world, device
+
+
+def say(line: str) -> None:
+    """One write per line: the ranks share the launcher's stdout, and a line written whole is not split."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def make_tracker(args: argparse.Namespace):
+    """llamem's tracker for this rank on CPU (None on a GPU, or without llamem)."""
+    if not args.cpu:
+        return None
+    try:
+        from llamem.bundle.ranks import RankTracker
+    except ImportError:
+        print("note: llamem is not installed: the CPU run prints no memory figures", file=sys.stderr)
+        return None
+    return RankTracker(history=False)
+
+
+def make_monitor(model, optimizer, tracker, args: argparse.Namespace, rank: int):
+    """llamem's MemoryMonitor (one JSONL log per rank), or nothing when llamem has none."""
+    try:
+        from llamem.runtime import MemoryMonitor
+    except ImportError:
+        return contextlib.nullcontext(None)
+    return MemoryMonitor(model, optimizer, log_path=args.memory_log.format(rank=rank), tracker=tracker)
+
+
+class Meter:
+    """Peak bytes on this rank per window: the tracker's on CPU, CUDA's on a GPU."""
+
+    def __init__(self, tracker, device: torch.device) -> None:
+        self.tracker, self.device = tracker, device
+        self.run_peak_bytes = 0
+
+    @property
+    def measured(self) -> bool:
+        """Whether this rank has figures (not on CPU without llamem)."""
+        return self.tracker is not None or self.device.type == "cuda"
+
+    def live_bytes(self) -> int:
+        return self.tracker.live_bytes if self.tracker is not None else torch.cuda.memory_allocated(self.device)
+
+    def take(self, record: dict | None = None) -> int | None:
+        if self.tracker is not None:
+            peak = self.tracker.take_high_water()
+        elif self.device.type != "cuda":
+            return None
+        else:
+            # A monitor resets CUDA's peak at each phase boundary: its step line has the step's peak.
+            peak = record["peak_allocated_bytes"] if record else torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.run_peak_bytes = max(self.run_peak_bytes, peak)
+        return peak
+
+
+# The model -----------------------------------------------------------------------------------------
+def decoder_layers(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model.layers
+
+
+class CausalLMLoss(torch.nn.Module):
+    """The model and its loss as one module, so that the wrappers (DDP, FSDP2, DeepSpeed) see every
+    call the loss makes, the chunked loss's calls into the decoder and the head included."""
+
+    def __init__(self, model, loss_chunks: int) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_chunks = loss_chunks
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.loss_chunks:
+            return self.model(input_ids=ids, labels=ids).loss
+        # torchtune's CEWithChunkedOutputLoss: the head and its fp32 upcast run one chunk at a time.
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        hidden = base.model(input_ids=ids).last_hidden_state
+        labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[..., 1:]
+        total = 0.0
+        for h_chunk, y_chunk in zip(hidden.chunk(self.loss_chunks, dim=1), labels.chunk(self.loss_chunks, dim=1)):
+            logits = base.lm_head(h_chunk).float()
+            total = total + torch.nn.functional.cross_entropy(logits.flatten(0, 1), y_chunk.flatten(), reduction="sum")
+        return total / ids.numel()
+
+
+def build_model(plan: dict, load_model, args: argparse.Namespace) -> CausalLMLoss:
+    torch.manual_seed(0)  # every rank builds the same random weights
+    model = load_model(args.random_init, args.model)
+    if plan["ac_every"]:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              every_n_layers=plan["ac_every"])
+    model.train()
+    return CausalLMLoss(model, plan["loss_chunks"] if plan["loss"] == "chunked" else 0)
+
+
+def make_optimizer(plan: dict, params):
+    name, lr = plan["optimizer"], plan["lr"]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, foreach=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=lr, foreach=True)
+    import bitsandbytes
+
+    return bitsandbytes.optim.AdamW8bit(params, lr=lr)
+
+
+# Strategies ----------------------------------------------------------------------------------------
+class Run:
+    """One strategy's forward, backward and optimizer step around the wrapped module."""
+
+    def __init__(self, plan: dict, module, optimizer, device: torch.device) -> None:
+        self.plan, self.module, self.optimizer, self.device = plan, module, optimizer, device
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.scaler = torch.amp.GradScaler(device.type) if plan["precision"] == "fp16-mixed" else None
+
+    def autocast(self):
+        if self.plan["mixed"]:
+            return torch.autocast(self.device.type, dtype=DTYPES[self.plan["compute_dtype"]])
+        return contextlib.nullcontext()
+
+    def sync(self, last: bool):
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss = loss / self.plan["grad_accum"]
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self) -> None:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.params, self.plan["max_grad_norm"], foreach=True)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class DdpRun(Run):
+    def sync(self, last: bool):
+        # Gradients are all-reduced once per optimizer step, on its last micro-batch.
+        return contextlib.nullcontext() if last else self.module.no_sync()
+
+
+class Fsdp2Run(Run):
+    def autocast(self):
+        return contextlib.nullcontext()  # the MixedPrecisionPolicy casts the gathered parameters
+
+
+class DeepSpeedRun(Run):
+    """The engine scales the loss by the accumulation steps, clips, and steps at the boundary."""
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.module.backward(loss)
+        self.module.step()
+
+    def step(self) -> None:
+        pass
+
+
+class AccelerateRun(Run):
+    def __init__(self, plan, module, optimizer, device, accelerator) -> None:
+        super().__init__(plan, module, optimizer, device)
+        self.accelerator = accelerator
+
+    def autocast(self):
+        return contextlib.nullcontext()  # prepare() wrapped the forward in accelerate's autocast
+
+    def sync(self, last: bool):
+        return self.accelerator.accumulate(self.module)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def step(self) -> None:
+        self.accelerator.clip_grad_norm_(self.params, self.plan["max_grad_norm"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def wrap(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tracker, args) -> Run:
+    strategy = plan["strategy"]
+    if plan["launcher"] == "accelerate" and not args.cpu:
+        return wrap_accelerate(plan, module, device)
+    if strategy == "fsdp2":
+        run = wrap_fsdp2(plan, module, device, world)
+        if tracker is not None:
+            tracker.track(list(module.buffers()), category="weights")  # fully_shard moves buffers to the GPU whole
+        return run
+    if tracker is not None:
+        # On a GPU the loaded weights are moved to it; on CPU `.to()` keeps them: count them as moved.
+        tracker.track(module)
+    module = module.to(device)
+    if strategy == "deepspeed":
+        return wrap_deepspeed(plan, module, device, args)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if strategy == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.index is not None
+                                                        else None)
+        return DdpRun(plan, ddp, make_optimizer(plan, params), device)
+    return Run(plan, module, make_optimizer(plan, params), device)
+
+
+def wrap_fsdp2(plan: dict, module: CausalLMLoss, device: torch.device, world: int) -> Run:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan["compute_dtype"]], reduce_dtype=torch.float32) if (
+        plan["mixed"]) else MixedPrecisionPolicy()
+    base = module.model.get_base_model() if hasattr(module.model, "get_base_model") else module.model
+    # torchtitan's units (parallelize_llama): the embedding, each decoder layer, the final norm with the head
+    # (kept gathered from the end of forward into backward, which starts there), then the root. Left in the
+    # root, the embedding and head (the largest tensors) would stay gathered from forward until backward ends.
+    separate = not base.config.tie_word_embeddings  # a tied weight cannot sit in two units
+    if separate:
+        fully_shard(base.model.embed_tokens, mesh=mesh, mp_policy=policy)
+    for layer in decoder_layers(module.model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    if separate:
+        fully_shard([base.model.norm, base.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+    gc.collect()  # the unsharded weights sit in reference cycles until a collection
+    params = [p for p in module.parameters() if p.requires_grad]
+    return Fsdp2Run(plan, module, make_optimizer(plan, params), device)
+
+
+def wrap_deepspeed(plan: dict, module: CausalLMLoss, device: torch.device, args) -> Run:
+    import deepspeed
+
+    config = json.loads((Path(__file__).resolve().parent / "ds_config.json").read_text())
+    if args.cpu:
+        # DeepSpeed's fused Adam needs CUDA and its CPU Adam a C++ build; torch's AdamW keeps the same state.
+        config["optimizer"]["params"]["torch_adam"] = True
+    deepspeed.init_distributed(dist_backend="gloo" if args.cpu else "nccl")
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=config)
+    return DeepSpeedRun(plan, engine, optimizer, device)
+
+
+def wrap_accelerate(plan: dict, module: CausalLMLoss, device: torch.device) -> Run:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, DummyOptim
+
+    accelerator = Accelerator(gradient_accumulation_steps=plan["grad_accum"])
+    params = [p for p in module.parameters() if p.requires_grad]
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        optimizer = DummyOptim(params, lr=plan["lr"])  # ds_config.json names the optimizer
+    else:
+        optimizer = make_optimizer(plan, params)
+    module, optimizer = accelerator.prepare(module, optimizer)
+    return AccelerateRun(plan, module, optimizer, accelerator.device, accelerator)
+
+
+# The loop ------------------------------------------------------------------------------------------
+def train_step(run: Run, plan: dict, generator: torch.Generator) -> float:
+    """One optimizer step over the plan's micro-batches; the mean loss."""
+    accum, total = plan["grad_accum"], 0.0
+    for micro in range(accum):
+        ids = torch.randint(0, plan["vocab_size"], (plan["micro_batch"], plan["seq"]), generator=generator)
+        ids = ids.to(run.device)
+        with run.sync(micro == accum - 1):
+            with run.autocast():
+                loss = run.module(ids)
+            run.backward(loss)
+        total += float(loss.detach()) / accum
+        del loss, ids
+    run.step()
+    return total
+
+
+def hf_model(run: Run):
+    module = run.module
+    for attribute in ("module", "_orig_mod"):  # DDP, DeepSpeed and accelerate keep the wrapped module here
+        module = getattr(module, attribute, module)
+    return module.model
+
+
+def main(plan: dict, load_model, argv: list[str] | None = None) -> None:
+    args = parse_args(plan, argv)
+    refuse(plan, args)
+    rank, world, device = setup_distributed(args)
+    if rank == 0:
+        say(f"llamem bundle: {plan['model_name']}, {plan['layout_description']}, {world} process"
+            f"{'es' if world > 1 else ''} on {'CPU (gloo)' if args.cpu else 'GPUs'}; planned per GPU: "
+            f"peak_allocated_bytes={plan['peak_allocated_bytes']} device_bytes={plan['device_bytes']}")
+        if args.cpu and plan["launcher"] == "accelerate":
+            say("note: accelerate shards nothing on CPU (it falls back to MULTI_CPU data parallel): this CPU run "
+                f"applies the same layout with {plan['strategy']} directly")
+    model = build_model(plan, load_model, args)  # in host memory: a GPU holds it only once wrapped
+    tracker = make_tracker(args)
+    meter = Meter(tracker, device)
+    with tracker if tracker is not None else contextlib.nullcontext():
+        run = wrap(plan, model, device, world, tracker, args)
+        del model
+        if tracker is not None:
+            say(f"rank {rank} wrapped peak_bytes={meter.take()} live_bytes={tracker.live_bytes}")
+        generator = torch.Generator().manual_seed(1000 + rank)
+        optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
+        with make_monitor(hf_model(run), getattr(run.module, "basic_optimizer", optimizer), tracker, args,
+                          rank) as monitor:
+            for step in range(1, args.max_steps + 1):
+                loss = train_step(run, plan, generator)
+                record = monitor.step() if monitor is not None else None
+                peak = meter.take(record)
+                figures = f" peak_bytes={peak} live_bytes={meter.live_bytes()}" if meter.measured else ""
+                say(f"rank {rank} step {step} loss={loss:.4f}{figures}")
+    if meter.measured:
+        say(f"rank {rank} peak_bytes={meter.run_peak_bytes}")
+    if dist.is_initialized():
+        dist.destroy_process_group()

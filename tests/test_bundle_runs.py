@@ -1,0 +1,160 @@
+"""Launch bundles run: `bash launch.sh --cpu --random-init --max-steps 2` starts the 2 planned
+processes of a tiny Llama on CPU (gloo), each counted as its GPU by llamem's tracker, and their
+peaks are held to `llamem estimate --gpus 2 --sharding ddp|zero3 --json`.
+
+DDP is what `llamem.parallel` models (torch autocast, DDP's gradient buckets): its ranks peak at
+the estimate within about a kilobyte (0.03 %). ZeRO-3 is sized with DeepSpeed's accounting while
+the bundle runs it with FSDP2 (`torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`), which
+holds the model states differently: no 16-bit gradient partition (2P/N bytes), gradients only from
+the moment their reduce-scatter returns, but for the unit at work its gathered 16-bit weights, their
+16-bit gradients and the fp32 copy of those the reduce-scatter takes (2 + 2 + 4 bytes per parameter
+of the unit, where the estimate allows 4 per parameter of the largest layer). Here that puts
+FSDP2's peak 15 to 18 % below the estimate; what is exact is what each rank keeps: its fp32 shard,
+and after a step the shard and two AdamW moments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from llamem.bundle import emit_bundle, layout_plan  # noqa: E402
+from llamem.cli import main  # noqa: E402
+from llamem.gpus import get_gpu  # noqa: E402
+from llamem.model import load_model  # noqa: E402
+from llamem.parallel import make_layout  # noqa: E402
+from llamem.trace.tracer import rounded  # noqa: E402
+from llamem.workload import build_workload  # noqa: E402
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+WORKLOAD = ["--batch", "2", "--seq", "16"]
+LINE = re.compile(r"^rank (\d+) (wrapped|step \d+ loss=\S+) peak_bytes=(\d+) live_bytes=(\d+)$")
+SMALL_TENSOR_BYTES = 512
+"""The tracker's smallest allocation, and what FSDP2's rank keeps besides its shards: RoPE's two
+inverse-frequency buffers (`inv_freq`, `original_inv_freq`) and the device mesh's rank list."""
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def _estimate(config_path, sharding: str, capsys) -> int:
+    capsys.readouterr()  # what earlier imports printed
+    assert main(["estimate", "--config", str(config_path), *WORKLOAD, "--gpus", "2", "--sharding", sharding,
+                 "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["peak_allocated_bytes"]
+
+
+def _run_bundle(config_path, sharding: str, folder: Path, timeout_s: int = 120) -> tuple[dict, str]:
+    """Emit the 2-GPU bundle, run it on CPU; per rank: (wrapped, step 1, step 2) as (peak, live), and the run peak."""
+    spec = load_model(None, config_path=str(config_path))
+    w = build_workload("train", batch=2, seq=16)
+    plan = layout_plan(spec, w, make_layout(spec, w, gpus=2, sharding=sharding), get_gpu("h100"),
+                       model_args=("--config", str(config_path)))
+    emit_bundle(plan, folder)
+    env = {**os.environ, "MASTER_PORT": str(_free_port()), "TORCHRUN": str(Path(sys.executable).with_name("torchrun")),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(["bash", str(folder / "launch.sh"), "--cpu", "--random-init", "--max-steps", "2"],
+                         capture_output=True, text=True, timeout=timeout_s, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    ranks: dict[int, dict] = {0: {"windows": []}, 1: {"windows": []}}
+    for line in run.stdout.splitlines():
+        if match := LINE.match(line):
+            ranks[int(match[1])]["windows"].append((int(match[3]), int(match[4])))
+        elif match := re.match(r"^rank (\d+) peak_bytes=(\d+)$", line):
+            ranks[int(match[1])]["peak"] = int(match[2])
+    assert all(len(r["windows"]) == 3 and "peak" in r for r in ranks.values()), run.stdout
+    return ranks, run.stdout
+
+
+def _fp32_shard_bytes(world: int) -> int:
+    """One rank's fp32 FSDP2 shards: each parameter split along dim 0, padded, one storage each."""
+    h, v, inter, heads, kv = 64, 512, 128, 4, 2
+    head_dim = h // heads
+    layer = [(h, 1), (h, 1), (heads * head_dim, h), (kv * head_dim, h), (kv * head_dim, h), (h, heads * head_dim),
+             (inter, h), (inter, h), (h, inter)]
+    shapes = [(v, h), (v, h), (h, 1)] + layer * 2
+    return sum(rounded(-(-rows // world) * cols * 4) for rows, cols in shapes)
+
+
+def test_rank_tracker_follows_storage_resizes_and_keeps_its_high_water():
+    """FSDP2 frees and re-allocates its gathered weights with storage.resize_, which no dispatch mode sees."""
+    import torch
+
+    from llamem.bundle.ranks import RankTracker
+
+    assert "resize_" not in vars(torch.UntypedStorage)  # torch's own, inherited from StorageBase
+    with RankTracker() as tracker:
+        x = torch.zeros(1024)  # 4 KiB
+        storage = x.untyped_storage()
+        storage.resize_(0)
+        assert tracker.live_bytes == 0
+        storage.resize_(8192)
+        assert (tracker.live_bytes, tracker.peak_bytes) == (8192, 8192)
+        tracker.reset_peak()  # as a monitor does at each phase
+        storage.resize_(0)
+        assert tracker.take_high_water() == 8192 and tracker.take_high_water() == 0
+        del x, storage
+        assert tracker.live_bytes == 0
+    assert "resize_" not in vars(torch.UntypedStorage) and tracker.run_peak_bytes == 8192
+    y = torch.zeros(4)
+    y.untyped_storage().resize_(0)  # outside the tracker: resize_ is torch's own again
+    assert tracker.live_bytes == 0
+
+
+def test_ddp_bundle_ranks_peak_at_the_estimate(config_path, tmp_path, capsys):
+    estimate = _estimate(config_path, "ddp", capsys)
+    ranks, stdout = _run_bundle(config_path, "ddp", tmp_path / "ddp")
+    print(stdout)
+    for rank in (0, 1):
+        # Weights, DDP's buckets, AdamW's state and the step's activations, from the first step on.
+        assert abs(ranks[rank]["peak"] - estimate) <= 0.02 * estimate  # measured: 3,368,448 against 3,369,472
+        assert ranks[rank]["windows"][1][1] == ranks[rank]["windows"][2][1]  # nothing grows from step to step
+
+
+def test_fsdp2_bundle_ranks_hold_their_shards(config_path, tmp_path, capsys):
+    estimate = _estimate(config_path, "zero3", capsys)
+    ranks, stdout = _run_bundle(config_path, "zero3", tmp_path / "zero3")
+    print(stdout)
+    shards = _fp32_shard_bytes(2)
+    steps = 2 * 9 + 3  # AdamW's step counter per parameter tensor
+    for rank in (0, 1):
+        (_, wrapped_live), (_, first_live), (_, second_live) = ranks[rank]["windows"]
+        assert wrapped_live == shards + 3 * SMALL_TENSOR_BYTES  # its fp32 shard, nothing gathered
+        # After a step: the shard and AdamW's two moments of it; gradients freed by zero_grad(set_to_none=True).
+        assert first_live == second_live == 3 * shards + (steps + 3) * SMALL_TENSOR_BYTES
+        # Below DeepSpeed's ZeRO-3 accounting here (see the docstring): measured 1,490,432 against 1,825,088, at
+        # times up to 1,551,360, as gloo's worker thread lets go of a collective's buffers sooner or later.
+        assert 0.75 * estimate < ranks[rank]["peak"] < estimate
+
+
+@pytest.mark.skipif(not os.environ.get("LLAMEM_DEEPSPEED_RUNS"), reason="set LLAMEM_DEEPSPEED_RUNS=1: DeepSpeed builds "
+                    "its shared-memory collective (a C++ op) on its first CPU run, which takes minutes")
+def test_deepspeed_zero2_bundle_ranks_peak_at_the_estimate(config_path, tmp_path, capsys):
+    pytest.importorskip("deepspeed")
+    estimate = _estimate(config_path, "zero2", capsys)
+    ranks, stdout = _run_bundle(config_path, "zero2", tmp_path / "zero2", timeout_s=600)
+    print(stdout)
+    assert ranks[0]["peak"] == ranks[1]["peak"]
+    assert abs(ranks[0]["peak"] - estimate) <= 0.02 * estimate  # measured: 1,960,960 against 1,956,288
