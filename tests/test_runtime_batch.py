@@ -15,9 +15,17 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from llamem.analytic import estimate  # noqa: E402
 from llamem.errors import DoesNotFit, LlamemError  # noqa: E402
-from llamem.runtime import CpuMemoryTracker, auto_batch_size, find_batch_size  # noqa: E402
-from llamem.runtime.batch import Probe, is_oom  # noqa: E402
+from llamem.runtime import CpuMemoryTracker, auto_batch_size, find_batch_size, infer_workload  # noqa: E402
+from llamem.runtime.batch import (  # noqa: E402
+    InvalidArgument,
+    Probe,
+    _requested_bytes,
+    held_output_bytes,
+    is_oom,
+    requested_bytes,
+)
 
 MiB = 2**20
 SEQ, VOCAB, CAPACITY = 128, 512, 64 * MiB
@@ -39,6 +47,20 @@ def _step(model, optimizer):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         del loss, ids
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _kept_step(model, optimizer, kept: dict):
+    """transformers' no_trainer loop: `out = model(**batch); out.loss.backward()`, `out` alive
+    until the next step's forward has returned."""
+    def step(batch: int) -> None:
+        ids = torch.randint(0, VOCAB, (batch, SEQ))
+        kept["out"] = model(input_ids=ids, labels=ids)
+        kept["out"].loss.backward()
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -180,6 +202,147 @@ def test_bad_arguments_name_the_fix(setup):
         find_batch_size(_step(model, optimizer), model=model, seq=0, tracker=tracker, margin=1.5)
     with pytest.raises(LlamemError, match="no card size"):
         find_batch_size(_step(model, optimizer), model=model, seq=SEQ)
+
+
+@pytest.mark.parametrize("device_bytes", [-5, 0, 10**30, 2**50 + 1, True, 1.5e9])
+def test_a_card_size_outside_1_byte_to_1_pib_is_refused(device_bytes):
+    model = _model()
+    fix = (r"device_bytes must be from 1 B to 1 PiB \(llamem.units.MAX_SIZE_BYTES\), got .*: pass the card's memory "
+           r"in bytes, e.g. llamem.units.parse_size\('24GiB'\)")
+    with pytest.raises(InvalidArgument, match=fix):
+        find_batch_size(lambda batch: None, model=model, seq=SEQ, device_bytes=device_bytes)
+    with pytest.raises(InvalidArgument, match=fix):
+        auto_batch_size(model=model, seq=SEQ, device_bytes=device_bytes)
+
+
+def test_every_bad_argument_is_named_at_once():
+    model = _model()
+    with pytest.raises(InvalidArgument) as caught:
+        find_batch_size(lambda batch: None, model=model, seq=True, device_bytes=2**30, margin=1.0, max_batch=0,
+                        global_batch=2.5, keeps_outputs="yes")
+    message = str(caught.value)
+    margin = "margin is the fraction of the card kept free: from 0 to below 1 (0.03 keeps 3 %), got 1.0"
+    for part in ("seq must be a positive integer, got True", "max_batch must be a positive integer, got 0",
+                 "global_batch must be a positive integer, got 2.5", margin,
+                 "keeps_outputs must be True or False, got 'yes'"):
+        assert part in message
+    assert isinstance(caught.value, ValueError)  # as torch's own argument errors
+    for margin in (-0.01, True, "0.1"):
+        with pytest.raises(InvalidArgument, match="margin is the fraction"):
+            find_batch_size(lambda batch: None, model=model, seq=SEQ, device_bytes=2**30, margin=margin)
+    for seq in (0, -1, None, 1.5):
+        with pytest.raises(InvalidArgument, match=f"seq must be a positive integer, got {seq!r}"):
+            find_batch_size(lambda batch: None, model=model, seq=seq, device_bytes=2**30)
+    with pytest.raises(InvalidArgument, match="keeps_outputs describes a training step.*drop it for task='infer'"):
+        find_batch_size(lambda batch: None, model=model, seq=SEQ, device_bytes=2**30, task="infer",
+                        keeps_outputs=True)
+
+
+def test_does_not_fit_gives_a_runnable_command_and_what_was_assumed():
+    """No hub id: the message says how to write the config the command reads (it writes no file)
+    and that the precision in the command is the assumed one."""
+    model = _model()
+    with CpuMemoryTracker(2 * MiB) as tracker:
+        tracker.track(model)
+        with pytest.raises(DoesNotFit) as caught:
+            find_batch_size(_step(model, torch.optim.AdamW(model.parameters(), foreach=True)), model=model, seq=SEQ,
+                            tracker=tracker)
+    message = str(caught.value)
+    assert ("To size it, write the model's config with `llamem.runtime.infer_workload(model)"
+            ".write_config('config.json')` and run `llamem estimate --config config.json --task train --batch 1 "
+            "--seq 128 --precision bf16-mixed --optimizer adamw --ac none`; `llamem plan` with the same options "
+            "finds what fits.") in message
+    assert "Assumed, not read from the model: autocast: not seen yet" in message
+    assert "optimizer: none given (AdamW assumed)" in message
+    assert message.endswith("Pass autocast_dtype= and optimizer= if the step runs otherwise.")
+
+
+def test_does_not_fit_names_the_hub_id_when_the_model_has_one():
+    model = _model()
+    model.config._name_or_path = "example-org/tiny-llama"
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    with CpuMemoryTracker(2 * MiB) as tracker:
+        tracker.track(model)
+        with pytest.raises(DoesNotFit) as caught:
+            find_batch_size(_step(model, optimizer), model=model, seq=SEQ, optimizer=optimizer, tracker=tracker,
+                            autocast_dtype="fp32", keeps_outputs=True)
+    message = str(caught.value)
+    assert ("`llamem estimate example-org/tiny-llama --task train --batch 1 --seq 128 --precision fp32 --optimizer "
+            "adamw --ac none` sizes this workload; `llamem plan` with the same options finds what fits. Neither "
+            "counts the model output the step keeps through backward.") in message
+    assert "Assumed" not in message and "write_config" not in message
+
+
+@pytest.mark.parametrize(("autocast", "held", "phases"), [
+    # fp32: logits 7 x 128 x 512 x 4 = 1,835,008 B; K and V 2 layers x 2 x 896 x 32 x 4 = 458,752 B; the loss 512 B.
+    ("fp32", 2_294_272, {"forward": 16_227_840, "backward": 17_588_736, "optimizer": 5_104_128}),
+    # bf16 autocast: bf16 logits 917,504 B; per layer an fp32 K (114,688 B) and a bf16 V (57,344 B); the loss.
+    ("bf16", 1_262_080, {"forward": 14_376_448, "backward": 14_705_152, "optimizer": 4_071_936}),
+])
+def test_a_kept_output_holds_its_logits_cache_and_loss(autocast, held, phases):
+    """The no_trainer loop at batch 7 x 128: the previous step's output is alive through the next
+    forward, this step's through backward and the optimizer step. Forward and optimizer grow by
+    exactly `held_output_bytes`; backward by the logits (and the fp32 K copies under autocast),
+    which the prediction bounds."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    w = infer_workload(model, optimizer=optimizer, batch=7, seq=SEQ, autocast_dtype=autocast).workload
+    predicted = estimate(infer_workload(model).spec, w).phase_peaks
+    assert held_output_bytes(infer_workload(model).spec, w, 7 * SEQ) == held
+    measured = dict.fromkeys(phases, 0)
+    kept = {}
+    with CpuMemoryTracker(history=False) as tracker:
+        tracker.track(model)
+        for _ in range(3):
+            ids = torch.randint(0, VOCAB, (7, SEQ))
+            tracker.reset_peak()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast == "bf16"):
+                kept["out"] = model(input_ids=ids, labels=ids)
+            del ids  # the estimate counts the inputs in forward only
+            measured["forward"] = max(measured["forward"], tracker.peak_bytes)
+            tracker.reset_peak()
+            kept["out"].loss.backward()
+            measured["backward"] = max(measured["backward"], tracker.peak_bytes)
+            tracker.reset_peak()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            measured["optimizer"] = max(measured["optimizer"], tracker.peak_bytes)
+    assert measured == phases
+    assert measured["forward"] == predicted["forward"] + held
+    assert measured["optimizer"] == predicted["optimizer"] + held
+    assert predicted["backward"] < measured["backward"] <= predicted["backward"] + held
+    if autocast == "fp32":  # the peak of the step: +11.6 %, the logits exactly
+        assert measured["backward"] - predicted["backward"] == 7 * SEQ * VOCAB * 4
+
+
+def test_keeps_outputs_finds_the_edge_of_the_loop_that_keeps_them(setup):
+    """The Trainer-idiom edge (32) OOMs when the output is kept; with keeps_outputs the prediction
+    is the kept loop's own edge, confirmed in one probe."""
+    model, optimizer, tracker = setup
+    kept = {}
+    step = _kept_step(model, optimizer, kept)
+    result = find_batch_size(step, model=model, seq=SEQ, optimizer=optimizer, tracker=tracker, autocast_dtype="fp32",
+                             keeps_outputs=True)
+    assert (result.batch_size, result.predicted_batch) == (28, 28)
+    assert result.probes == (Probe(28, True, 65_230_848),)
+    assert "the step keeps the model's output through backward" in " ".join(result.notes)
+    for batch, fits in ((28, True), (29, False), (EDGE, False)):
+        kept.clear()
+        optimizer.state.clear()
+        model.zero_grad(set_to_none=True)
+        assert _runs(step, batch, steps=3) == fits
+
+
+def test_requested_bytes_reads_c10_sizes():
+    """c10's format_size: "N bytes" up to 1 KiB, then two decimals and KiB / MiB / GiB."""
+    assert requested_bytes("CUDA out of memory. Tried to allocate 512 bytes. GPU 0 has a total capacity") == 512
+    assert requested_bytes("Tried to allocate 1023 bytes") == 1023
+    assert requested_bytes("Tried to allocate 2.00 MiB (GPU 0; 23.65 GiB total capacity)") == 2 * MiB
+    assert requested_bytes("Tried to allocate 20.50 KiB") == 20_992
+    assert requested_bytes("Tried to allocate 1.50 GiB") == 3 * 2**29
+    assert requested_bytes("CUDA error: an illegal memory access") is None
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512 bytes. GPU 0 has 80 GiB")
+    assert _requested_bytes(error, None) == 512
 
 
 def test_oom_recognition():

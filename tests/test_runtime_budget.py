@@ -23,7 +23,7 @@ from llamem.runtime import (  # noqa: E402
     token_budget,
     token_budget_dataloader,
 )
-from llamem.runtime.batch import Predictor  # noqa: E402
+from llamem.runtime.batch import InvalidArgument, Predictor  # noqa: E402
 from llamem.runtime.budget import padded_lengths  # noqa: E402
 from llamem.workload import build_workload, with_changes  # noqa: E402
 
@@ -161,8 +161,108 @@ def test_a_sequence_that_does_not_fit_alone():
     model = _model()
     with CpuMemoryTracker(2 * MiB) as tracker:
         tracker.track(model)
-        with pytest.raises(DoesNotFit, match="one sequence of 256 tokens does not fit in 2.00 MiB"):
-            token_budget(model, tracker=tracker, seq_max=256, autocast_dtype="fp32")
+        with pytest.raises(DoesNotFit, match="one sequence of 256 tokens does not fit in 2.00 MiB") as caught:
+            token_budget(model, tracker=tracker, seq_max=250, autocast_dtype="fp32", pad_to_multiple_of=8)
+    # The command sizes the padded length; the model has no hub id, so its config must be written first.
+    assert ("write the model's config with `llamem.runtime.infer_workload(model).write_config('config.json')` and "
+            "run `llamem estimate --config config.json --task train --batch 1 --seq 256 --precision fp32 --optimizer "
+            "adamw --ac none`") in str(caught.value)
+    assert str(caught.value).endswith("Assumed, not read from the model: optimizer: none given (AdamW assumed). "
+                                      "Pass optimizer= if the step runs otherwise.")
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"device_bytes": -1}, (r"device_bytes must be from 1 B to 1 PiB \(llamem.units.MAX_SIZE_BYTES\), got -1: "
+                            r"pass the card's memory in bytes, e.g. llamem.units.parse_size\('24GiB'\)")),
+    ({"device_bytes": 10**30}, "device_bytes must be from 1 B to 1 PiB"),
+    ({"device_bytes": 2**30, "margin": 1}, "margin is the fraction of the card kept free: from 0 to below 1"),
+    ({"device_bytes": 2**30, "seq_max": 0}, "seq_max must be a positive integer \\(tokens\\), got 0"),
+    ({"device_bytes": 2**30, "seq_min": -3}, "seq_min must be a positive integer \\(tokens\\), got -3"),
+    ({"device_bytes": 2**30, "seq_min": True}, "seq_min must be a positive integer \\(tokens\\), got True"),
+    ({"device_bytes": 2**30, "seq_min": 300}, "seq_min=300 is above seq_max=256: give the dataset's shortest"),
+    ({"device_bytes": 2**30, "pad_to_multiple_of": 0}, "pad_to_multiple_of must be a positive integer"),
+    ({"device_bytes": 2**30, "keeps_outputs": 1}, "keeps_outputs must be True or False, got 1"),
+    ({"device_bytes": 2**30, "task": "infer", "keeps_outputs": True}, "drop it for task='infer'"),
+])
+def test_bad_budget_arguments_name_the_fix(arguments, message):
+    with pytest.raises(InvalidArgument, match=message):
+        token_budget(_model(), **{"seq_max": 256, **arguments})
+
+
+@pytest.mark.parametrize(("lengths", "message"), [
+    ([2.9, 3.5, 16.7], (r"lengths\[0\] is 2.9 \(float\): lengths are whole token counts, one int per sample: "
+                        r"pass len\(sample\['input_ids'\]\)")),
+    (["a"], r"lengths\[0\] is 'a' \(str\)"),
+    ([3, True], r"lengths\[1\] is True \(bool\)"),
+    (torch.tensor([3.0, 4.0]), r"lengths\[0\] is tensor\(3.\) \(Tensor\)"),
+    (None, "lengths must be a sequence of token counts, one int per sample"),
+    ([3, 0], r"1 samples have no tokens \(first: index 1, length 0\): drop empty samples first"),
+])
+def test_lengths_that_are_not_token_counts_are_refused(lengths, message):
+    with pytest.raises(InvalidArgument, match=message):
+        TokenBudgetBatchSampler(lengths, 16)
+
+
+def test_whole_numbers_of_any_integer_type_are_lengths():
+    assert list(TokenBudgetBatchSampler(torch.tensor([3, 4, 5]), 8)) == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize("max_tokens", [True, 0, 16.0, "16"])
+def test_max_tokens_must_be_a_positive_integer(max_tokens):
+    with pytest.raises(InvalidArgument, match=f"max_tokens must be a positive integer \\(tokens per batch, "
+                                              f"padding included\\), got {max_tokens!r}"):
+        TokenBudgetBatchSampler([1, 1, 1], max_tokens)
+
+
+def test_a_dataset_without_input_ids_names_the_field_and_lengths():
+    with pytest.raises(InvalidArgument, match=r"dataset\[0\] has no 'input_ids' \(its fields: text\): tokenize the "
+                                              r"dataset first, or pass lengths= \(each sample's token count\)"):
+        token_budget_dataloader([{"text": "x"}], 64)
+    with pytest.raises(InvalidArgument, match=r"dataset\[1\] has no 'input_ids' \(it is a str\)"):
+        token_budget_dataloader([{"input_ids": [1]}, "text"], 64)
+    loader = token_budget_dataloader([{"text": "x"}], 64, lengths=[1])
+    with pytest.raises(InvalidArgument, match="feature 0 has no 'input_ids' .*or pass collate_fn= for its fields"):
+        list(loader)
+
+
+def test_a_loop_that_keeps_its_outputs_trains_within_the_kept_budget():
+    """`out = model(**batch); out.loss.backward()` keeps the logits, cache and loss alive: at the
+    default budget the skewed dataset runs out of memory, at the keeps_outputs budget it does not."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    lengths = _skewed_lengths()
+    generator = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=generator)} for n in lengths]
+    with CpuMemoryTracker(CAPACITY, history=False) as tracker:
+        tracker.track(model)
+        arguments = {"tracker": tracker, "seq_max": max(lengths), "seq_min": min(lengths), "optimizer": optimizer,
+                     "autocast_dtype": "fp32"}
+        default = token_budget(model, **arguments)
+        kept = token_budget(model, keeps_outputs=True, **arguments)
+        peak = _kept_loop(model, optimizer, tracker, data, TokenBudgetBatchSampler(lengths, kept.max_tokens))
+        with pytest.raises(torch.OutOfMemoryError):
+            _kept_loop(model, optimizer, tracker, data, TokenBudgetBatchSampler(lengths, default.max_tokens))
+    assert (kept.max_tokens, kept.worst_batch, kept.worst_length, kept.peak_bytes) == (1286, 6, 214, 25_138_688)
+    assert peak <= CAPACITY
+
+
+def _kept_loop(model, optimizer, tracker, data: list[dict], sampler) -> int:
+    """transformers' no_trainer loop over the sampler's batches; returns the highest peak."""
+    peak = 0
+    out = None
+    try:
+        for batch in sampler:
+            tracker.reset_peak()
+            out = model(**PaddingCollator()([data[i] for i in batch]))
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            peak = max(peak, tracker.peak_bytes)
+    finally:
+        del out
+        optimizer.state.clear()
+        model.zero_grad(set_to_none=True)
+    return peak
 
 
 def test_the_device_figure_stays_below_the_card():

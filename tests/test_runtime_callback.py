@@ -34,13 +34,13 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _trainer(tmp_path: Path, callback: LlamemCallback):
+def _trainer(tmp_path: Path, callback: LlamemCallback, *, max_steps: int = 3, grad_accum: int = 1):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, TINY["vocab_size"], (8, 32))]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=3,
-                                          per_device_train_batch_size=2, report_to=[], save_strategy="no",
-                                          logging_strategy="no", disable_tqdm=True)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=max_steps,
+                                          per_device_train_batch_size=2, gradient_accumulation_steps=grad_accum,
+                                          report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
     return transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
 
 
@@ -67,6 +67,18 @@ def test_trainer_steps_are_logged_with_their_phases(tmp_path):
     assert steps[1]["peak_allocated_bytes"] == steps[2]["peak_allocated_bytes"] > steps[0]["peak_allocated_bytes"]
     assert callback.monitor.records == steps
     assert callback.monitor._hooks == []  # closed when training ended
+
+
+def test_the_trainers_gradient_accumulation_is_sized_without_a_note(tmp_path):
+    log = tmp_path / "run.jsonl"
+    with CpuMemoryTracker() as tracker:
+        callback = LlamemCallback(log_path=log, tracker=tracker)
+        _trainer(tmp_path, callback, max_steps=2, grad_accum=2).train()
+    lines = _lines(log)
+    # The Trainer's gradient_accumulation_steps is given to the monitor, and its count agrees: one workload line.
+    assert [line["type"] for line in lines] == ["header", "workload", "step", "step"]
+    assert lines[1]["workload"]["grad_accum"] == 2 and "--grad-accum 2" in lines[1]["command"]
+    assert not [note for note in lines[1]["unknown"] if note.startswith("grad_accum")]
 
 
 def _monitor(tmp_path: Path, *options: str, command: list[str] | None = None, env: dict | None = None):

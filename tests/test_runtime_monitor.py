@@ -129,6 +129,9 @@ def test_a_kept_loss_is_one_leak_warning_naming_its_line(tmp_path):
     assert len(leaks) == 1
     where = f"{__file__}:{_line_of('# the leaked loss')} in _train"
     assert where in str(leaks[0].message)
+    # The line is where the tensor was made (the loss), not the append that keeps it: the text says which.
+    assert f"(activations), created at:\n    {where}" in str(leaks[0].message)
+    assert "where the tensors were created; what keeps them alive is a reference" in str(leaks[0].message)
     assert "+512 B per step" in str(leaks[0].message)
     [leak] = [line for line in _lines(log) if line["type"] == "leak"]
     assert (leak["step"], leak["steps"], leak["growth_bytes_per_step"], leak["live_growth_bytes"]) == (5, 5, 512, 2048)
@@ -148,6 +151,130 @@ def test_loss_item_is_no_leak(tmp_path):
     assert not [w for w in caught if issubclass(w.category, LeakWarning)]
     assert "leak" not in {line["type"] for line in _lines(log)}
     assert len({r["allocated_bytes"] for r in monitor.records}) == 1  # flat once the optimizer state exists
+
+
+def _generate(model, prompt: torch.Tensor, new_tokens: int) -> None:
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values= is deprecated for cache=; both are read
+        model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                       past_key_values=transformers.DynamicCache(config=model.config))
+
+
+def test_generate_is_one_prefill_and_decode_steps(tmp_path):
+    model, _ = _model_and_optimizer()
+    model.eval()
+    log = tmp_path / "gen.jsonl"
+    with CpuMemoryTracker() as tracker, MemoryMonitor(model, None, log, tracker=tracker) as monitor:
+        for _ in range(2):
+            _generate(model, torch.randint(0, TINY["vocab_size"], (2, 16)), 8)
+            monitor.step()
+    lines = _lines(log)
+    # One workload line: the decode forwards (one token each) neither rewrite it nor change its seq.
+    assert [line["type"] for line in lines] == ["header", "workload", "step", "step"]
+    workload, step = lines[1], lines[3]
+    assert workload["workload"]["task"] == "infer"
+    assert (workload["workload"]["batch"], workload["workload"]["seq"], workload["workload"]["new_tokens"]) == (2, 16, 8)
+    assert "--seq 16 --precision fp32 --new-tokens 8" in workload["command"]
+    assert workload["unknown"] == []
+    assert set(workload["predicted"]) == {"load", "prefill", "decode"}
+    assert (step["batch"], step["seq"]) == (2, 16)
+    assert set(step["phases"]) == {"prefill", "decode"}
+    traced = trace(monitor.inferred.spec, monitor.inferred.workload).phase_peaks
+    for phase in ("prefill", "decode"):  # generate() keeps a few small tensors more than the trace's loop
+        measured = step["phases"][phase]["peak_allocated_bytes"]
+        assert 0 <= measured - traced[phase] <= 0.02 * traced[phase]
+    assert step["peak_allocated_bytes"] == step["phases"]["prefill"]["peak_allocated_bytes"]
+    assert tracker.live_by_category() == {"weights": step["allocated_bytes"]}  # the cache died with generate()
+    summary = monitor.summary().splitlines()
+    assert summary[0] == "llamem monitor: 2 steps (cpu-tracker), batch 2 x 16 tokens; peak allocated at step 2"
+    assert [row.split()[0] for row in summary[2:]] == ["prefill", "decode", "step", "predicted"]
+
+
+def test_undeclared_gradient_accumulation_is_counted(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    log = tmp_path / "run.jsonl"
+    with CpuMemoryTracker() as tracker, MemoryMonitor(model, optimizer, log, tracker=tracker) as monitor:
+        _train(model, optimizer, monitor, 2, grad_accum=4)
+    lines = _lines(log)
+    # The first forward sizes one micro-batch; the end of step 1 has counted 4 and says so, before its step line.
+    assert [line["type"] for line in lines] == ["header", "workload", "workload", "step", "step"]
+    assert [line["workload"]["grad_accum"] for line in lines[1:3]] == [1, 4]
+    expected = build_workload("train", batch=BATCH, seq=SEQ, precision="bf16-mixed", optimizer="adamw", attn="sdpa",
+                              grad_accum=4)
+    assert monitor.inferred.workload == expected and lines[2]["unknown"] == []
+    assert lines[2]["command"].endswith("--grad-accum 4")
+    traced = trace(monitor.inferred.spec, expected)
+    steady = monitor.records[1]
+    assert {p: steady["phases"][p]["peak_allocated_bytes"] for p in PHASES} == \
+        {p: traced.phase_peaks[p] for p in PHASES}
+    assert lines[2]["predicted"] == {p: traced.phase_peaks[p] for p in ["load", *PHASES]}
+
+
+def test_a_given_grad_accum_is_kept_and_what_was_seen_is_noted(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    log = tmp_path / "run.jsonl"
+    with CpuMemoryTracker() as tracker, \
+            MemoryMonitor(model, optimizer, log, tracker=tracker, grad_accum=2) as monitor:
+        _train(model, optimizer, monitor, 1, grad_accum=4)
+    workloads = [line for line in _lines(log) if line["type"] == "workload"]
+    assert [w["workload"]["grad_accum"] for w in workloads] == [2, 2]
+    note = ("grad_accum: 2 given, but 4 forward passes with gradients were seen per optimizer step "
+            "(the prediction uses 2)")
+    assert workloads[0]["unknown"] == [] and workloads[1]["unknown"] == [note]
+    assert monitor.inferred.unknown == (note,)
+    assert f"not read from the run: {note}" in monitor.summary().splitlines()
+
+
+def test_steps_without_step_calls_name_the_fix(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    with CpuMemoryTracker() as tracker, MemoryMonitor(model, optimizer, tmp_path / "run.jsonl", tracker=tracker) \
+            as monitor:
+        for _ in range(2):
+            ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ))
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert monitor.summary() == ("llamem monitor: no step recorded: call monitor.step() after each optimizer step "
+                                 "(after each generate() call when generating), or train with LlamemCallback in a "
+                                 "transformers Trainer")
+
+
+def test_a_plain_module_has_no_token_shape(tmp_path):
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.linear(x).sum()
+
+    model = Plain()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CpuMemoryTracker() as tracker, MemoryMonitor(model, optimizer, tmp_path / "run.jsonl", tracker=tracker) \
+            as monitor:
+        for _ in range(2):
+            model(torch.randn(8, 64)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step()
+    assert [(r["batch"], r["seq"]) for r in monitor.records] == [(None, None), (None, None)]
+    summary = monitor.summary().splitlines()
+    assert summary[0] == ("llamem monitor: 2 steps (cpu-tracker), batch shape unknown (the model's input is neither "
+                          "input_ids nor inputs_embeds); peak allocated at step 2")
+    assert summary[-1].startswith("no prediction: Plain has no transformers config")
+
+
+def test_positional_input_ids_and_inputs_embeds_give_the_shape(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    with CpuMemoryTracker() as tracker, MemoryMonitor(model, optimizer, tmp_path / "run.jsonl", tracker=tracker) \
+            as monitor:
+        ids = torch.randint(0, TINY["vocab_size"], (3, 8))
+        model(ids, labels=ids).loss.backward()  # input_ids, positional
+        monitor.step()
+        embeds = model.get_input_embeddings()(torch.randint(0, TINY["vocab_size"], (2, 5))).detach()
+        model(inputs_embeds=embeds).logits.sum().backward()
+        monitor.step()
+    assert [(r["batch"], r["seq"]) for r in monitor.records] == [(3, 8), (2, 5)]
 
 
 CRASH_SCRIPT = """
@@ -227,5 +354,5 @@ def test_bad_settings_name_the_fix():
     with CpuMemoryTracker() as tracker:
         with pytest.raises(LlamemError, match="leak_window must be 2 steps or more"):
             MemoryMonitor(model, optimizer, tracker=tracker, leak_window=1)
-        with pytest.raises(LlamemError, match="grad_accum must be 1 or more"):
+        with pytest.raises(LlamemError, match=r"grad_accum must be 1 or more \(or None to count it\), got 0"):
             MemoryMonitor(model, optimizer, tracker=tracker, grad_accum=0)

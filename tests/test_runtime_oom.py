@@ -9,7 +9,9 @@ from __future__ import annotations
 import gc
 import json
 import pickle
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 import warnings
@@ -20,11 +22,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from llamem.cli import main  # noqa: E402
+from llamem.errors import LlamemError  # noqa: E402
 from llamem.overhead import non_torch_bytes  # noqa: E402
 from llamem.runtime import CpuMemoryTracker, TrackerSource, oom_guard, write_oom_dump  # noqa: E402
 from llamem.runtime.explain import STAT_KEYS, stack_category  # noqa: E402
+from llamem.runtime.oom import requested_from_message  # noqa: E402
 from llamem.runtime.sources import STAT_KEYS as SOURCE_STAT_KEYS  # noqa: E402
-from llamem.trace.run import _install_category_hooks  # noqa: E402
+from llamem.trace.run import label_by_module  # noqa: E402
 from llamem.units import MiB  # noqa: E402
 
 TINY = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -66,20 +70,19 @@ def _step(model, optimizer, tracker, batch: int, seq: int, grad_accum: int = 1) 
 def _tiny_model():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(TINY)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # the step llamem sizes
 
 
 @pytest.fixture(scope="module")
 def tracker_oom(tmp_path_factory):
     """A first step run before tracking (it makes the optimizer state), then a step under a
     capacity it cannot meet. What the tracker held at the error is read inside the step (its
-    frames still alive), before the guard's dump."""
+    frames still alive), before the guard's dump. The guard installs the category hooks."""
     warnings.filterwarnings("ignore")
     directory = tmp_path_factory.mktemp("oom") / "dump"
     model, optimizer = _tiny_model()
     _step(model, optimizer, None, BATCH, SEQ)
     tracker = CpuMemoryTracker(CAPACITY)
-    _install_category_hooks(model, tracker)
     seen: dict = {}
     with tracker:
         tracker.track(model, optimizer)
@@ -179,7 +182,7 @@ def test_the_planned_workload_runs_under_the_same_capacity(tracker_oom):
     """The plan's micro-batch 4 x 2 accumulation steps, run for real under the capacity that failed."""
     model, optimizer = _tiny_model()
     tracker = CpuMemoryTracker(CAPACITY)
-    _install_category_hooks(model, tracker)
+    label_by_module(model, tracker)
     _step(model, optimizer, None, 4, SEQ, grad_accum=2)
     with tracker:
         tracker.track(model, optimizer)
@@ -479,6 +482,201 @@ def test_guard_passes_other_errors_through(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the guard reads the GPU")
 def test_guard_without_a_tracker_or_cuda_fails_before_the_step(tmp_path):
     model, optimizer = _tiny_model()
-    with pytest.raises(RuntimeError, match="no CUDA device: on a CPU, run inside"):
-        with oom_guard(tmp_path / "d", model, optimizer):
-            pass
+    fix = "no CUDA device: on a CPU, run inside `with CpuMemoryTracker() as tracker:` and pass tracker=tracker"
+    with pytest.raises(LlamemError, match="^" + re.escape("oom_guard: " + fix)), \
+            oom_guard(tmp_path / "d", model, optimizer):
+        pass
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+# A forward OOM under the guard alone, labelled by the guard's hooks ------------------------------
+FORWARD_CAPACITY = 10 * MiB
+"""Above the live bytes where the head starts making logits (7.94 MiB at batch 8 x 128), below the
+forward's peak (12.95 MiB): the error is raised in the head, after the decoder's activations."""
+
+
+@pytest.fixture(scope="module")
+def forward_oom(tmp_path_factory):
+    """An autocast step as a user writes it, no labels set by hand: the guard's hooks set them."""
+    directory = tmp_path_factory.mktemp("oom") / "forward"
+    model, optimizer = _tiny_model()
+    seen: dict = {}
+    with CpuMemoryTracker(FORWARD_CAPACITY) as tracker:
+        tracker.track(model)
+        seen["labels"] = (tracker.phase, tracker.category)
+        guard = oom_guard(directory, model, optimizer, tracker=tracker, batch=BATCH, seq=SEQ, autocast_dtype="bf16")
+        try:
+            with guard:
+                seen["hooked"] = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+                ids = torch.randint(0, TINY.vocab_size, (BATCH, SEQ))
+                try:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        model(input_ids=ids, labels=ids).loss.backward()
+                except torch.OutOfMemoryError:
+                    seen["by_category"] = tracker.live_by_category()
+                    raise
+        except torch.OutOfMemoryError:
+            seen["raised"] = True
+        seen["after"] = (tracker.phase, tracker.category, list(tracker.stack))
+    seen["hooks_left"] = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    return directory, seen
+
+
+def test_guard_labels_activations_and_logits_of_a_forward_oom(forward_oom, capsys):
+    directory, seen = forward_oom
+    assert seen["raised"]
+    record = json.loads((directory / "oom.json").read_text())
+    assert record["phase"] == "forward"
+    code, out, err = _run(["explain-oom", str(directory), "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    categories = {name: c["bytes"] for name, c in data["live"]["categories"].items()}
+    assert categories["activations"] > 0 and categories["logits"] > 0
+    assert categories == _expected_groups(
+        [type("A", (), {"category": c, "size_bytes": b}) for c, b in seen["by_category"].items()])
+    assert categories["activations"] + categories["logits"] > 0.85 * data["live"]["allocated_bytes"]
+    code, text, _err = _run(["explain-oom", str(directory)], capsys)
+    assert code == 0 and text.startswith("out of memory at phase forward on ")
+    assert any(line.strip().startswith("logits ") for line in text.splitlines())
+
+
+def test_guard_removes_its_hooks_and_restores_the_labels(forward_oom):
+    _directory, seen = forward_oom
+    assert seen["hooked"] > 0 and seen["hooks_left"] == 0
+    assert seen["after"] == (*seen["labels"], [])
+
+
+def test_guard_records_the_backward_phase_without_labels_set_by_hand(tmp_path):
+    """Capacity between the forward's peak (12.95 MiB) and the backward's (13.44 MiB, no optimizer
+    state yet): the hook on the loss's autograd node names the phase."""
+    model, optimizer = _tiny_model()
+    with CpuMemoryTracker(13 * MiB + MiB // 4) as tracker:
+        tracker.track(model)
+        ids = torch.randint(0, TINY.vocab_size, (BATCH, SEQ))
+        with pytest.raises(torch.OutOfMemoryError), oom_guard(tmp_path / "d", model, optimizer, tracker=tracker,
+                                                               batch=BATCH, seq=SEQ, autocast_dtype="bf16"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+    assert json.loads((tmp_path / "d" / "oom.json").read_text())["phase"] == "backward"
+
+
+
+def test_guard_labels_each_phase_of_a_step(tmp_path):
+    """No error: the phases the tracker's allocations were made in, as the hooks set them."""
+    model, optimizer = _tiny_model()
+    with CpuMemoryTracker() as tracker:
+        tracker.track(model)
+        with oom_guard(tmp_path / "d", model, optimizer, tracker=tracker) as guard:
+            ids = torch.randint(0, TINY.vocab_size, (2, 16))
+            model(input_ids=ids, labels=ids).loss.backward()
+            after_backward = guard.phase
+            optimizer.step()
+            optimizer.zero_grad()
+    allocated = {(phase, category) for action, _id, _size, phase, category in tracker.events if action == "alloc"}
+    assert after_backward == "optimizer"
+    assert {("forward", "activations"), ("forward", "logits"), ("backward", "logits"), ("backward", "temporaries"),
+            ("optimizer", "temporaries")} <= allocated
+    assert {phase for phase, _category in allocated} == {"run", "forward", "backward", "optimizer"}
+    assert not (tmp_path / "d").exists()
+
+
+# Moved, copied and config-less dumps --------------------------------------------------------------
+def _guarded_dump(directory):
+    """A real dump of the tiny model's workload: a 16 MiB request refused under the guard."""
+    model, optimizer = _tiny_model()
+    with CpuMemoryTracker(CAPACITY) as tracker:
+        kept = torch.zeros(1024)
+        with pytest.raises(torch.OutOfMemoryError), oom_guard(directory, model, optimizer, tracker=tracker,
+                                                               batch=BATCH, seq=SEQ, autocast_dtype="bf16"):
+            torch.zeros(4 * MiB)
+    del kept
+    return directory
+
+
+def _commands(text: str) -> list[list[str]]:
+    return [shlex.split(line.split(": ", 1)[1]) for line in text.splitlines()
+            if line.strip().startswith(("estimate:", "reproduce:", "copy:"))]
+
+
+def test_a_moved_dump_prints_commands_with_its_own_config(tmp_path, capsys):
+    original = _guarded_dump(tmp_path / "dump")
+    moved = tmp_path / "moved"
+    shutil.copytree(original, moved)
+    original.rename(tmp_path / "x")
+    code, text, err = _run(["explain-oom", str(moved)], capsys)
+    assert code == 0, err
+    commands = _commands(text)
+    assert [c[:2] for c in commands] == [["llamem", "estimate"], ["llamem", "estimate"], ["llamem", "plan"]]
+    for command in commands:
+        assert command[command.index("--config") + 1] == str(moved / "config.json")
+    code, out, _err = _run(["explain-oom", str(moved), "--json"], capsys)
+    data = json.loads(out)
+    assert shlex.split(data["estimate_command"])[2:4] == ["--config", str(moved / "config.json")]
+    assert shlex.split(data["plan_command"])[2:4] == ["--config", str(moved / "config.json")]
+    assert code == 0 and data["estimate_problem"] is None
+
+
+def test_a_dump_without_config_json_uses_the_recorded_one(tmp_path, capsys):
+    directory = _guarded_dump(tmp_path / "dump")
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    (copy / "config.json").unlink()
+    code, out, err = _run(["explain-oom", str(copy), "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["plan"]["fits"] and data["plan_problem"] is None
+    recorded = str((directory / "config.json").resolve())
+    assert shlex.split(data["plan_command"])[2:4] == ["--config", recorded]
+    assert shlex.split(data["estimate_command"])[2:4] == ["--config", recorded]
+
+
+def test_a_dump_with_no_config_left_explains_all_but_the_plan(tmp_path, capsys):
+    directory = _guarded_dump(tmp_path / "dump")
+    (directory / "config.json").unlink()
+    code, text, err = _run(["explain-oom", str(directory)], capsys)
+    assert code == 0, err
+    assert "live at the error:" in text and "verdict: a true shortage of" in text
+    assert "workload read from the live objects: train, batch 8 x seq 128, bf16-mixed, adamw" in text
+    why = (f"no config to size the model: {directory} holds no config.json and the "
+           f"{(directory / 'config.json').resolve()} it was written with no longer exists; copy the model's "
+           f"config.json into {directory} and run llamem explain-oom again")
+    assert f"plan: none ({why})" in text.splitlines()
+    assert f"  estimate: omitted ({why})" in text.splitlines()
+    assert "copy:" not in text and "llamem estimate" not in text
+    code, out, _err = _run(["explain-oom", str(directory), "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["plan"] is None and data["plan_problem"] == why
+    assert (data["estimate_command"], data["estimate_problem"]) == ("", why)
+
+
+# Sizes in the OOM message, as c10's format_size writes them -----------------------------------------
+def test_tracker_message_sizes_read_as_torch_writes_them():
+    with CpuMemoryTracker(1024) as tracker:
+        kept = torch.zeros(100)  # 400 B, counted as 512
+        with pytest.raises(torch.OutOfMemoryError) as error:
+            torch.zeros(200)  # 800 B, counted as 1024
+        assert str(error.value).startswith(
+            "CUDA out of memory. Tried to allocate 1024 bytes. GPU 0 has a total capacity of 1024 bytes of which "
+            "512 bytes is free. Of the allocated memory 512 bytes is allocated by PyTorch, and 0 bytes is reserved "
+            "by PyTorch but unallocated. (Raised by llamem's CpuMemoryTracker")
+        assert requested_from_message(str(error.value)) == tracker.oom_requested_bytes == 1024
+    del kept
+    with CpuMemoryTracker(3 * MiB) as tracker, pytest.raises(torch.OutOfMemoryError) as error:
+        torch.zeros(1025 // 4 * 4)
+        torch.zeros(MiB)  # 4 MiB
+    assert str(error.value).startswith("CUDA out of memory. Tried to allocate 4.00 MiB. GPU 0 has a total capacity "
+                                       "of 3.00 MiB of which 3.00 MiB is free.")
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    ("CUDA out of memory. Tried to allocate 512 bytes. GPU 0", 512),
+    ("CUDA out of memory. Tried to allocate 1024 bytes.", 1024),
+    ("CUDA out of memory. Tried to allocate 1.50 KiB. GPU 0", 1536),
+    ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0", 20 * MiB),
+    ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0", 5 * 2**29),
+    ("CUDA out of memory. Tried to allocate 512 B. GPU 0", 512),
+    ("CUDA out of memory. GPU 0 has a total capacity of 80.00 GiB", None),
+])
+def test_requested_from_message(message, expected):
+    assert requested_from_message(message) == expected

@@ -127,7 +127,7 @@ def test_infer_reads_the_workload_of_a_live_model(spec, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     model = transformers.LlamaForCausalLM(hf_config(spec, build_workload("train")))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
     model.activation_checkpointing_enable()
     inferred = infer_workload(model, optimizer=optimizer, batch=4, seq=256, autocast_dtype="bf16")
     w = inferred.workload
@@ -164,3 +164,51 @@ def test_infer_reads_checkpointing_every_k_layers(spec, every):
         **{**hf_config(spec, build_workload("train")).to_dict(), "num_hidden_layers": 6}))
     model.activation_checkpointing_enable(every_n_layers=every)
     assert infer_workload(model, batch=1, seq=16, autocast_dtype="bf16").workload.ac_every == every
+
+
+def test_infer_reads_the_precision_of_an_fp32_lora_model(spec):
+    from peft import LoraConfig, get_peft_model
+
+    model = transformers.LlamaForCausalLM(hf_config(spec, build_workload("train")))
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert infer_workload(lora, batch=1, seq=64, autocast_dtype="fp32").workload.precision == "fp32"
+    assert infer_workload(lora, batch=1, seq=64, autocast_dtype="bf16").workload.precision == "bf16-mixed"
+
+
+def test_infer_names_the_optimizer_steps_it_does_not_size(spec):
+    model = transformers.LlamaForCausalLM(hf_config(spec, build_workload("train")))
+    params = list(model.parameters())
+    notes = {kind: infer_workload(model, optimizer=torch.optim.AdamW(params, **options), batch=1, seq=8,
+                                  autocast_dtype="bf16").unknown
+             for kind, options in (("loop", {}), ("foreach", {"foreach": True}), ("fused", {"fused": True}))}
+    assert notes["foreach"] == ()
+    assert notes["loop"] == ("optimizer: for-loop AdamW (torch's default for CPU tensors; llamem sizes the foreach "
+                             "step CUDA tensors get: its optimizer phase errs high)",)
+    assert notes["fused"] == ("optimizer: fused AdamW (llamem sizes the foreach step: its optimizer phase errs high)",)
+    generation = infer_workload(model.eval(), batch=1, seq=8, task="infer")
+    assert generation.unknown == ("new_tokens: not seen (llamem's default of 256 used)",)
+
+
+@pytest.mark.parametrize("capacity", [0, -1, 1.5e6, True, "8GiB"])
+def test_a_capacity_is_a_positive_integer(capacity):
+    from llamem.errors import LlamemError
+
+    with pytest.raises(LlamemError, match="capacity_bytes must be a positive integer number of bytes"):
+        CpuMemoryTracker(capacity)
+
+
+def test_allocator_settings_beyond_size_t_are_refused_with_the_limit():
+    from llamem.allocator.config import AllocatorConfigError
+    from llamem.runtime import configure_allocator
+
+    with pytest.raises(AllocatorConfigError, match=r"out of range: at most 18446744073709551615"):
+        configure_allocator(max_split_size_mb=2**70)
+    with pytest.raises(AllocatorConfigError, match="takes a settings string"):
+        configure_allocator(42)
+
+
+def test_every_runtime_export_resolves():
+    import llamem.runtime
+
+    for name in llamem.runtime.__all__:
+        assert getattr(llamem.runtime, name) is not None, name

@@ -88,6 +88,8 @@ class _Tokens:
         value = self.at(i)
         if not value.isdigit():
             raise AllocatorConfigError(f"stoull: {value!r} is not a number")
+        if int(value) > SIZE_MAX:  # std::stoull's out_of_range, which torch lets through
+            raise AllocatorConfigError(f"stoull: {value} is out of range: at most {SIZE_MAX} (2**64 - 1)")
         return int(value)
 
     def boolean(self, i: int) -> bool:

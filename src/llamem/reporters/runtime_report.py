@@ -115,8 +115,10 @@ def _workload_lines(e) -> list[str]:
     if r["unknown"]:
         lines.append("  not readable from the objects (llamem's default used):")
         lines += [f"    - {item}" for item in r["unknown"]]
-    if r["command"]:
-        lines.append(f"  estimate: {r['command']}")
+    if e.estimate_command:
+        lines.append(f"  estimate: {e.estimate_command}")
+    elif e.estimate_problem:
+        lines.append(f"  estimate: omitted ({e.estimate_problem})")
     return lines
 
 

@@ -133,6 +133,9 @@ def format_value(key: str, value) -> str:
 
 def requested_settings(conf: str | None, settings: dict) -> dict[str, str | None]:
     """The string's settings, then the keywords' (a keyword wins over the string; None removes a key)."""
+    if conf is not None and not isinstance(conf, str):
+        raise AllocatorConfigError(f"configure_allocator takes a settings string such as "
+                                   f"'expandable_segments:True', or keywords; got {type(conf).__name__} {conf!r}")
     requested: dict[str, str | None] = dict(split_settings(conf, "configure_allocator's settings string"))
     for key, value in settings.items():
         requested[key] = None if value is None else format_value(key, value)
@@ -310,7 +313,7 @@ def _apply_running(torch, settings: str, required: bool = True) -> None:
         return
     try:
         setter(settings)
-    except (RuntimeError, ValueError) as err:  # TORCH_CHECK / TORCH_CHECK_VALUE
+    except (RuntimeError, ValueError, IndexError) as err:  # TORCH_CHECK / TORCH_CHECK_VALUE / std::out_of_range
         raise AllocatorConfigError(f"torch refused the allocator settings {settings!r}: {err}") from None
 
 

@@ -24,6 +24,22 @@ uses) and the model's gradients after every probe, so state created by one probe
 counted twice. Probes train the model on their batches, as accelerate's do: run the finder
 before training. Recovery from an OOM runs outside the `except` block: the exception's traceback
 keeps the failed step's frames, and their tensors, alive (pytorch/pytorch#18853).
+
+The prediction assumes the step drops the model's output before backward, as the Trainer does
+(`model(**batch).loss.backward()`). The other idiom, `out = model(**batch); out.loss.backward()`
+(transformers' no_trainer examples), keeps `out` alive until the next step's forward has
+returned: its logits (batch x seq x vocab in the compute dtype: 4 bytes under fp32, 2 under
+bf16/fp16 or autocast, whose fp32 upcast lives inside the loss only), its DynamicCache (every
+layer's K and V; none under activation checkpointing) and the loss. `keeps_outputs=True` adds
+them to every phase (`held_output_bytes`). Measured on a tiny Llama (vocab 512, hidden 64, 2
+layers) under a CpuMemoryTracker, batch 7 x 128 tokens, fp32 AdamW: the step's peak grows from
+15,753,728 B to 17,588,736 B (+11.6 %, exactly the logits' 1,835,008 B), the forward phase by
+2,294,272 B (the previous step's logits, K and V and loss) and the optimizer phase by 2,293,760 B.
+In backward the prediction is an upper bound: the cache's K and V are counted again although
+attention saved them anyway (458,752 B, 2.6 %, above the measured backward peak there; under
+bf16 autocast V's bytes alone, since attention saves a bf16 copy of K, not the cache's fp32 K).
+A later moment of backward, with some saved tensors freed but the cache still held, stays below
+that bound.
 """
 
 from __future__ import annotations
@@ -31,12 +47,11 @@ from __future__ import annotations
 import functools
 import gc
 import math
-import re
 from dataclasses import dataclass
 
 from llamem.errors import DoesNotFit, LlamemError
 from llamem.model import ModelSpec
-from llamem.units import format_bytes, parse_size
+from llamem.units import MAX_SIZE_BYTES, format_bytes
 from llamem.workload import MAX_BATCH, Workload, with_changes
 
 DEFAULT_CUDA_MARGIN = 0.03
@@ -51,7 +66,13 @@ BLIND_STEP_UPS = 4
 """Without a prediction: doublings from batch 1 until two fits give a per-sample figure."""
 _OOM_TEXTS = (" out of memory.", "DefaultCPUAllocator: can't allocate memory", "MPS backend out of memory")
 """What accelerate's `should_reduce_batch_size` recognises (torch.OutOfMemoryError is a RuntimeError)."""
-_REQUESTED = re.compile(r"Tried to allocate ([0-9.]+ ?[KMGT]?i?B)")
+_STATED_BY = {"autocast": "autocast_dtype=", "optimizer: none given": "optimizer="}
+"""The argument that states what `infer_workload` could not read, by the start of its note."""
+
+
+class InvalidArgument(LlamemError, ValueError):
+    """An argument of the batch finder or of token-budget batching that cannot be used (a
+    ValueError too, as torch's samplers raise): the message names the argument and the fix."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +115,24 @@ class Predictor:
     workload: Workload
     figure: str
     offset_bytes: int = 0
+    keeps_outputs: bool = False
+    """The step keeps the model's output alive (`out = model(**batch)`): see the module."""
 
-    def allocated_bytes(self, batch: int, **changes) -> int:
+    def allocated_bytes(self, batch: int, *, previous_tokens: int | None = None, **changes) -> int:
+        """The peak at `batch` (and `changes`, e.g. seq=). With `keeps_outputs` the output of the
+        step before, of `previous_tokens` tokens (default: this batch's), is alive in forward."""
         from llamem.analytic import estimate
 
-        return estimate(self.spec, with_changes(self.workload, batch=batch, **changes)).peak_allocated_bytes \
-            + self.offset_bytes
+        w = with_changes(self.workload, batch=batch, **changes)
+        report = estimate(self.spec, w)
+        if not self.keeps_outputs:
+            return report.peak_allocated_bytes + self.offset_bytes
+        tokens = w.batch * w.seq
+        held = held_output_bytes(self.spec, w, tokens)
+        before = held_output_bytes(self.spec, w, tokens if previous_tokens is None else previous_tokens)
+        peaks = [peak + (before if phase == "forward" else held)
+                 for phase, peak in report.phase_peaks.items() if phase != "load"]
+        return max(peaks) + self.offset_bytes
 
     def peak_bytes(self, batch: int, **changes) -> int:
         allocated = self.allocated_bytes(batch, **changes)
@@ -121,6 +154,21 @@ class Predictor:
         if self.figure == "allocated" or top == 0:
             return top
         return largest_true(lambda b: self.peak_bytes(b, **changes) <= budget_bytes, top)
+
+
+def held_output_bytes(spec: ModelSpec, workload: Workload, tokens: int) -> int:
+    """What a kept `CausalLMOutputWithPast` of `tokens` tokens holds: the logits (compute dtype),
+    the DynamicCache transformers builds in training without checkpointing (per layer: K, an
+    fp32 copy under autocast, and V in the compute dtype) and the loss (one 512-byte block).
+    Measured to the byte on a tiny Llama under a CpuMemoryTracker (tests/test_runtime_batch.py)."""
+    from llamem.analytic.common import r512
+
+    element_bytes = 4 if workload.compute_dtype == "fp32" else 2
+    logits = r512(element_bytes * tokens * spec.vocab_size)
+    key_bytes = 4 if workload.mixed else element_bytes  # RoPE's fp32 cos/sin promote K under autocast
+    cache = 0 if workload.ac_every else spec.num_layers * (r512(key_bytes * tokens * spec.kv_dim)
+                                                           + r512(element_bytes * tokens * spec.kv_dim))
+    return logits + cache + 512
 
 
 def largest_true(holds, limit: int) -> int:
@@ -190,22 +238,28 @@ class Policy:
 def find_batch_size(step, *, model, seq: int, task: str = "train", device_bytes: int | None = None,
                     optimizer=None, tracker=None, max_batch: int | None = None, global_batch: int | None = None,
                     margin: float | None = None, autocast_dtype: str | None = None,
-                    steps_per_probe: int | None = None, max_probes: int = MAX_PROBES) -> BatchSizeResult:
+                    steps_per_probe: int | None = None, max_probes: int = MAX_PROBES,
+                    keeps_outputs: bool = False) -> BatchSizeResult:
     """The largest batch at which `step(batch)` runs: predicted, then confirmed with real steps.
 
     `step(batch)` runs one full step (forward, backward, optimizer) at that batch and the longest
     sequence `seq`, with `optimizer` if one is given (its state is cleared after every probe).
     `autocast_dtype` ("bf16", "fp16", or "fp32" for none) says how fp32 weights are run.
+    The prediction assumes the step drops the model's output before backward
+    (`model(**batch).loss.backward()`, as the Trainer does); pass `keeps_outputs=True` when it
+    keeps it (`out = model(**batch); out.loss.backward()`): its logits and cache are added.
     """
-    _check_arguments(seq, max_batch, global_batch, margin, steps_per_probe, max_probes)
+    _check_arguments(seq=seq, max_batch=max_batch, global_batch=global_batch, margin=margin,
+                     steps_per_probe=steps_per_probe, max_probes=max_probes, device_bytes=device_bytes,
+                     task=task, keeps_outputs=keeps_outputs)
     training = task != "infer"
     policy = Policy(steps_per_probe or (2 if training else 1), STEP_UPS, max_probes)
     card, predictor, inferred, notes = _prepare(model, seq, task, device_bytes, optimizer, tracker, margin,
-                                                autocast_dtype)
+                                                autocast_dtype, keeps_outputs)
     run = functools.partial(_probe, step, card, policy, model, optimizer, tracker)
     searched = _search(run, card, predictor, policy, max_batch or MAX_BATCH, notes)
     if searched.found == 0:
-        raise _does_not_fit(card, inferred, searched.probes)
+        raise _does_not_fit(card, inferred, searched.probes, keeps_outputs)
     accum, micro = _accumulation(global_batch, searched.found, predictor, card.budget_bytes, notes)
     return _result(searched, card, notes, accum, micro)
 
@@ -216,19 +270,43 @@ def _result(searched: Searched, card: Card, notes: list[str], accum=None, micro=
                            figure=card.figure, grad_accum=accum, micro_batch=micro, notes=tuple(notes))
 
 
-def _check_arguments(seq, max_batch, global_batch, margin, steps_per_probe, max_probes) -> None:
-    problems = []
-    for name, value in (("seq", seq), ("max_batch", max_batch), ("global_batch", global_batch),
-                        ("steps_per_probe", steps_per_probe), ("max_probes", max_probes)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            problems.append(f"{name} must be a positive integer, got {value!r}")
-    if margin is not None and not 0 <= margin < 1:
-        problems.append(f"margin is the fraction of the card kept free: from 0 to below 1, got {margin!r}")
+def _check_arguments(*, seq, margin, device_bytes, task, keeps_outputs, **counts) -> None:
+    """Every problem at once, each with its fix. `counts`: positive integers, or None."""
+    problems = [f"{name} must be a positive integer, got {value!r}" for name, value in {"seq": seq, **counts}.items()
+                if not is_count(value) and (value is not None or name == "seq")]
+    problems += card_problems(device_bytes, margin) + output_problems(keeps_outputs, task)
     if problems:
-        raise LlamemError("; ".join(problems))
+        raise InvalidArgument("; ".join(problems))
 
 
-def _prepare(model, seq, task, device_bytes, optimizer, tracker, margin, autocast_dtype):
+def is_count(value) -> bool:
+    # bool is an int subclass: seq=True is a mistake, not 1.
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def card_problems(device_bytes, margin) -> list[str]:
+    """What is wrong with a card size and a margin (empty when both can be used)."""
+    problems = []
+    if device_bytes is not None and (not is_count(device_bytes) or device_bytes > MAX_SIZE_BYTES):
+        problems.append(f"device_bytes must be from 1 B to 1 PiB (llamem.units.MAX_SIZE_BYTES), got {device_bytes!r}: "
+                        "pass the card's memory in bytes, e.g. llamem.units.parse_size('24GiB')")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                               or not 0 <= margin < 1):
+        problems.append(f"margin is the fraction of the card kept free: from 0 to below 1 (0.03 keeps 3 %), "
+                        f"got {margin!r}")
+    return problems
+
+
+def output_problems(keeps_outputs, task: str) -> list[str]:
+    if not isinstance(keeps_outputs, bool):
+        return [f"keeps_outputs must be True or False, got {keeps_outputs!r}"]
+    if keeps_outputs and task == "infer":
+        return [("keeps_outputs describes a training step that keeps the model's output through backward: "
+                 "drop it for task='infer'")]
+    return []
+
+
+def _prepare(model, seq, task, device_bytes, optimizer, tracker, margin, autocast_dtype, keeps_outputs=False):
     """The card, the workload's predictor, and notes on both. The optimizer's state and the
     model's gradients are cleared first, so what is live is what every probe starts from."""
     from llamem.runtime.infer import infer_workload
@@ -241,13 +319,15 @@ def _prepare(model, seq, task, device_bytes, optimizer, tracker, margin, autocas
     if inferred.workload is None:
         notes.append(f"no prediction ({inferred.problem}): doubling from batch 1, then extrapolating")
         return card, None, inferred, notes
-    predictor = Predictor(inferred.spec, inferred.workload, card.figure)
+    predictor = Predictor(inferred.spec, inferred.workload, card.figure, keeps_outputs=keeps_outputs)
+    if keeps_outputs:
+        notes.append("the step keeps the model's output through backward: its logits, cache and loss are counted")
     live = card.allocated_bytes()
     if live is not None:
         # What is live beyond the weights the estimate counts: other tensors on the card, or (negative)
         # weights the tracker does not see because the model was not given to `track()`.
         loaded = inferred.predicted_phase_bytes()["load"]
-        predictor = Predictor(inferred.spec, inferred.workload, card.figure, live - loaded)
+        predictor = Predictor(inferred.spec, inferred.workload, card.figure, live - loaded, keeps_outputs)
         if abs(live - loaded) > card.budget_bytes // 100:
             notes.append(f"live before the first probe: {format_bytes(live)}, the model's weights "
                          f"{format_bytes(loaded)}: the difference is counted in the prediction")
@@ -269,8 +349,8 @@ def _card(device_bytes, tracker, margin) -> tuple[Card, list[str]]:
     else:
         source, figure, capacity = None, "allocated", device_bytes
     if not capacity:
-        raise LlamemError("no card size: pass device_bytes= (e.g. llamem.units.parse_size('24GiB')), or a "
-                          "CpuMemoryTracker with a capacity_bytes")
+        raise InvalidArgument("no card size: pass device_bytes= (e.g. llamem.units.parse_size('24GiB')), or a "
+                              "CpuMemoryTracker with a capacity_bytes")
     if margin is None:
         margin = DEFAULT_CUDA_MARGIN if figure == "device" else 0.0
     budget = int(capacity * (1 - margin))
@@ -304,8 +384,15 @@ def _requested_bytes(error: BaseException, tracker) -> int:
     """The allocation that failed: the tracker knows it; CUDA's message says it."""
     if tracker is not None and "CpuMemoryTracker" in str(error):
         return tracker.oom_requested_bytes
-    match = _REQUESTED.search(str(error))
-    return parse_size(match.group(1).replace(" ", "")) if match else 0
+    return requested_bytes(str(error)) or 0
+
+
+def requested_bytes(message: str) -> int | None:
+    """The request a PyTorch OOM message names ("Tried to allocate 512 bytes", "... 2.00 MiB"),
+    to the message's two decimals, or None (one parser: the OOM dump's)."""
+    from llamem.runtime.oom import requested_from_message
+
+    return requested_from_message(message)
 
 
 def _probe(step, card: Card, policy: Policy, model, optimizer, tracker, batch: int) -> tuple[Probe, object]:
@@ -447,26 +534,49 @@ def _accumulation(global_batch, batch: int, predictor, budget_bytes: int, notes:
     return accum, micro
 
 
-def _does_not_fit(card: Card, inferred, probes: tuple[Probe, ...]) -> DoesNotFit:
+def _does_not_fit(card: Card, inferred, probes: tuple[Probe, ...], keeps_outputs: bool = False) -> DoesNotFit:
     last = probes[-1] if probes else None
     shortfall = 0 if last is None or last.peak_bytes is None else max(0, last.peak_bytes - card.budget_bytes)
     if all(p.batch != 1 for p in probes):
         tried = ", ".join(str(p.batch) for p in probes)
         return DoesNotFit(f"no batch fit in max_probes={len(probes)} (tried {tried}): "
                           "raise max_probes, or give max_batch near the edge", shortfall_bytes=shortfall)
-    command = inferred.command() if inferred.workload is not None else ""
-    hint = f" `{command}` sizes this workload; `llamem plan` with the same options finds what fits." if command else ""
     return DoesNotFit(f"batch 1 does not fit in {format_bytes(card.budget_bytes)} ({card.figure} peak): shorten the "
-                      f"sequence, checkpoint activations, or use LoRA.{hint}", shortfall_bytes=shortfall)
+                      f"sequence, checkpoint activations, or use LoRA.{sizing_hint(inferred, keeps_outputs)}",
+                      shortfall_bytes=shortfall)
+
+
+def sizing_hint(inferred, keeps_outputs: bool = False) -> str:
+    """How to size the workload with `llamem estimate`, runnable as printed, and what was assumed
+    in place of what could not be read (empty without a workload). Nothing is written: a model
+    without a hub id needs its config written first, which the hint says how to do."""
+    if inferred.workload is None:
+        return ""
+    if inferred.spec.hf_id:
+        hint = f" `{inferred.command()}` sizes this workload"
+    else:
+        hint = (" To size it, write the model's config with `llamem.runtime.infer_workload(model)"
+                f".write_config('config.json')` and run `{inferred.command('config.json')}`")
+    hint += "; `llamem plan` with the same options finds what fits."
+    if keeps_outputs:
+        hint += " Neither counts the model output the step keeps through backward."
+    assumed = [u for u in inferred.unknown if not u.startswith(("batch", "seq"))]
+    if assumed:
+        stated = sorted({arg for u in assumed for key, arg in _STATED_BY.items() if u.startswith(key)})
+        hint += f" Assumed, not read from the model: {'; '.join(assumed)}."
+        hint += f" Pass {' and '.join(stated)} if the step runs otherwise." if stated else ""
+    return hint
 
 
 def auto_batch_size(*, model, seq: int, task: str = "train", device_bytes: int | None = None, optimizer=None,
                     tracker=None, max_batch: int | None = None, margin: float | None = None,
-                    autocast_dtype: str | None = None, max_probes: int = MAX_PROBES):
+                    autocast_dtype: str | None = None, max_probes: int = MAX_PROBES, keeps_outputs: bool = False):
     """Decorator in the manner of accelerate's `find_executable_batch_size`: `train(batch_size,
     *args)` is called at the predicted batch, and after an OOM again at the batch the overshoot
-    says, until it completes. It returns what `train` returns; `train.result` is the search."""
-    _check_arguments(seq, max_batch, None, margin, None, max_probes)
+    says, until it completes. It returns what `train` returns; `train.result` is the search.
+    `keeps_outputs`: as `find_batch_size`."""
+    _check_arguments(seq=seq, max_batch=max_batch, max_probes=max_probes, margin=margin, device_bytes=device_bytes,
+                     task=task, keeps_outputs=keeps_outputs)
 
     def decorate(function):
         @functools.wraps(function)
@@ -476,12 +586,12 @@ def auto_batch_size(*, model, seq: int, task: str = "train", device_bytes: int |
             policy = Policy(steps_per_probe=1, step_ups=0, max_probes=max_probes, blind_step_ups=0,
                             within_budget=False, settle=False)
             card, predictor, inferred, notes = _prepare(model, seq, task, device_bytes, optimizer, tracker,
-                                                        margin, autocast_dtype)
+                                                        margin, autocast_dtype, keeps_outputs)
             run = functools.partial(_probe, lambda b: function(b, *args, **kwargs), card, policy, model, None,
                                     tracker)
             searched = _search(run, card, predictor, policy, max_batch or MAX_BATCH, notes)
             if searched.found == 0:
-                raise _does_not_fit(card, inferred, searched.probes)
+                raise _does_not_fit(card, inferred, searched.probes, keeps_outputs)
             wrapper.result = _result(searched, card, notes)
             return searched.value
 

@@ -21,17 +21,36 @@ real token never attends to a later position, so right padding changes nothing f
 and labels of -100 keep the padding out of the loss. A padding mask makes transformers build a
 b x 1 x L x L mask and leaves sdpa's causal kernel: measured on a tiny Llama (batch 16, 128
 tokens) the step's peak grew by 9 %, which the estimate does not count.
+
+The budget assumes the training loop drops the model's output before backward
+(`model(**batch).loss.backward()`, as the Trainer does). A loop that keeps it
+(`out = model(**batch); out.loss.backward()`) holds the logits (T x vocab in the compute dtype),
+the cache's K and V and the loss until the next forward has returned: pass `keeps_outputs=True`
+(see `llamem.runtime.batch`). In the forward phase the previous batch's output is counted at the
+full budget of T tokens, since any earlier batch may have had that many.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Sampler
 
-from llamem.errors import DoesNotFit, LlamemError
+from llamem.errors import DoesNotFit
+from llamem.runtime.batch import (
+    DEFAULT_CUDA_MARGIN,
+    InvalidArgument,
+    Predictor,
+    card_problems,
+    is_count,
+    largest_true,
+    output_problems,
+    sizing_hint,
+)
 from llamem.units import format_bytes
 from llamem.workload import MAX_BATCH, MAX_TOKENS, with_changes
 
@@ -55,50 +74,60 @@ class TokenBudget:
 
 def max_tokens_per_batch(model, *, device_bytes: int | None = None, seq_max: int, task: str = "train",
                          optimizer=None, tracker=None, autocast_dtype: str | None = None, seq_min: int = 1,
-                         pad_to_multiple_of: int | None = None, margin: float | None = None) -> int:
+                         pad_to_multiple_of: int | None = None, margin: float | None = None,
+                         keeps_outputs: bool = False) -> int:
     """The largest tokens per micro-batch (padding included) that fit the card at every shape the
     sampler can produce with sequences of `seq_min` to `seq_max` tokens. See `token_budget`."""
     return token_budget(model, device_bytes=device_bytes, seq_max=seq_max, task=task, optimizer=optimizer,
                         tracker=tracker, autocast_dtype=autocast_dtype, seq_min=seq_min,
-                        pad_to_multiple_of=pad_to_multiple_of, margin=margin).max_tokens
+                        pad_to_multiple_of=pad_to_multiple_of, margin=margin, keeps_outputs=keeps_outputs).max_tokens
 
 
 def token_budget(model, *, device_bytes: int | None = None, seq_max: int, task: str = "train", optimizer=None,
                  tracker=None, autocast_dtype: str | None = None, seq_min: int = 1,
-                 pad_to_multiple_of: int | None = None, margin: float | None = None) -> TokenBudget:
+                 pad_to_multiple_of: int | None = None, margin: float | None = None,
+                 keeps_outputs: bool = False) -> TokenBudget:
     """`max_tokens_per_batch` with the worst shape and its estimate. `device_bytes` defaults to
     the tracker's capacity; under a tracker the allocated peak is held against it, else the
-    device figure less `margin` (3 % by default, as the batch finder)."""
-    from llamem.runtime.batch import DEFAULT_CUDA_MARGIN, Predictor
+    device figure less `margin` (3 % by default, as the batch finder). The budget assumes the
+    loop drops the model's output before backward (`model(**batch).loss.backward()`); pass
+    `keeps_outputs=True` for `out = model(**batch); out.loss.backward()` (see the module)."""
     from llamem.runtime.infer import infer_workload
 
-    _check_lengths(seq_min, seq_max, pad_to_multiple_of)
+    _check_budget_arguments(device_bytes, margin, seq_min, seq_max, pad_to_multiple_of, task, keeps_outputs)
     figure = "allocated" if tracker is not None else "device"
     capacity = device_bytes or (tracker.capacity_bytes if tracker is not None else None)
     if not capacity:
-        raise LlamemError("no card size: pass device_bytes= (e.g. llamem.units.parse_size('24GiB')), or a "
-                          "CpuMemoryTracker with a capacity_bytes")
+        raise InvalidArgument("no card size: pass device_bytes= (e.g. llamem.units.parse_size('24GiB')), or a "
+                              "CpuMemoryTracker with a capacity_bytes")
     margin = (0.0 if figure == "allocated" else DEFAULT_CUDA_MARGIN) if margin is None else margin
     budget = int(capacity * (1 - margin))
     inferred = infer_workload(model, optimizer=optimizer, batch=1, seq=seq_max, task=task,
                               autocast_dtype=autocast_dtype)
     if inferred.workload is None:
-        raise LlamemError(f"cannot size a token budget for this model: {inferred.problem}")
-    predictor = Predictor(inferred.spec, inferred.workload, "allocated")
+        raise InvalidArgument(f"cannot size a token budget for this model: {inferred.problem}")
+    predictor = Predictor(inferred.spec, inferred.workload, "allocated", keeps_outputs=keeps_outputs)
     lengths = padded_lengths(seq_min, seq_max, pad_to_multiple_of)
     worst = _worst_case_search(predictor, lengths, figure, budget)
     if worst is None:
+        longest = dataclasses.replace(inferred, workload=with_changes(inferred.workload, seq=lengths[0]))
         raise DoesNotFit(f"one sequence of {lengths[0]} tokens does not fit in {format_bytes(budget)}: lower "
-                         f"seq_max, or see `{inferred.command()}`")
+                         f"seq_max, checkpoint activations, or use LoRA.{sizing_hint(longest, keeps_outputs)}")
     return TokenBudget(max_tokens=worst[0], worst_batch=worst[2], worst_length=worst[3], peak_bytes=worst[1],
                        budget_bytes=budget, figure=figure)
 
 
-def _check_lengths(seq_min: int, seq_max: int, pad_to_multiple_of: int | None) -> None:
-    if not isinstance(seq_max, int) or seq_max < 1 or not isinstance(seq_min, int) or not 1 <= seq_min <= seq_max:
-        raise LlamemError(f"need 1 <= seq_min <= seq_max, got seq_min={seq_min!r}, seq_max={seq_max!r}")
-    if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
-        raise LlamemError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
+def _check_budget_arguments(device_bytes, margin, seq_min, seq_max, pad_to_multiple_of, task, keeps_outputs) -> None:
+    """Every problem at once, each with its fix."""
+    problems = card_problems(device_bytes, margin) + output_problems(keeps_outputs, task)
+    for name, value in (("seq_min", seq_min), ("seq_max", seq_max), ("pad_to_multiple_of", pad_to_multiple_of)):
+        if not is_count(value) and not (value is None and name == "pad_to_multiple_of"):
+            problems.append(f"{name} must be a positive integer (tokens), got {value!r}")
+    if is_count(seq_min) and is_count(seq_max) and seq_min > seq_max:
+        problems.append(f"seq_min={seq_min} is above seq_max={seq_max}: give the dataset's shortest and longest "
+                        "sequence")
+    if problems:
+        raise InvalidArgument("; ".join(problems))
 
 
 def padded_lengths(seq_min: int, seq_max: int, multiple: int | None) -> list[int]:
@@ -115,8 +144,6 @@ def _worst_case_search(predictor, lengths: list[int], figure: str, budget_bytes:
     first (fast); the device figure adds the allocator's fragmentation and the CUDA context, is
     never below it, and is searched under the allocated answer. Token counts stop where a shape
     of the shortest length would pass llamem's largest batch (MAX_BATCH) or MAX_TOKENS."""
-    from llamem.runtime.batch import largest_true
-
     longest = lengths[0]
     limit = min(MAX_TOKENS, MAX_BATCH * lengths[-1]) - longest + 1
 
@@ -142,7 +169,8 @@ def _worst_shape(predictor, tokens: int, lengths: list[int], device: bool = Fals
         if batch == 0 or batch in seen:
             continue
         seen.add(batch)
-        worst = max(worst, (predictor.allocated_bytes(batch, seq=length), batch, length))
+        # With a kept output, the previous batch's (up to `tokens` tokens) is alive in this forward.
+        worst = max(worst, (predictor.allocated_bytes(batch, seq=length, previous_tokens=tokens), batch, length))
     if device:
         worst = (_device_bytes(predictor, worst, tokens), worst[1], worst[2])
     return worst
@@ -170,11 +198,12 @@ class TokenBudgetBatchSampler(Sampler):
 
     def __init__(self, lengths, max_tokens: int, *, shuffle: bool = False, seed: int = 0, drop_last: bool = False,
                  pad_to_multiple_of: int | None = None) -> None:
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise LlamemError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
-            raise LlamemError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
-        self.lengths = [int(n) for n in lengths]
+        if not is_count(max_tokens):
+            raise InvalidArgument(f"max_tokens must be a positive integer (tokens per batch, padding included), got "
+                                  f"{max_tokens!r}: e.g. max_tokens_per_batch(model, ...)")
+        if pad_to_multiple_of is not None and not is_count(pad_to_multiple_of):
+            raise InvalidArgument(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
+        self.lengths = token_counts(lengths)
         self.max_tokens = max_tokens
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -189,11 +218,12 @@ class TokenBudgetBatchSampler(Sampler):
     def _check_lengths(self) -> None:
         bad = [i for i, n in enumerate(self.lengths) if n < 1]
         if bad:
-            raise LlamemError(f"{len(bad)} samples have no tokens (first: index {bad[0]}): drop empty samples first")
+            raise InvalidArgument(f"{len(bad)} samples have no tokens (first: index {bad[0]}, length "
+                                  f"{self.lengths[bad[0]]}): drop empty samples first")
         over = [i for i, n in enumerate(self.lengths) if self.padded(n) > self.max_tokens]
         if over:
             longest = max(over, key=lambda i: self.lengths[i])
-            raise LlamemError(
+            raise InvalidArgument(
                 f"{len(over)} samples are longer than max_tokens={self.max_tokens} (the longest: index {longest}, "
                 f"{self.lengths[longest]} tokens, {self.padded(self.lengths[longest])} padded): truncate sequences "
                 f"to {self.max_tokens} tokens, or raise max_tokens if the card holds more")
@@ -229,6 +259,31 @@ class TokenBudgetBatchSampler(Sampler):
         return self._num_batches
 
 
+def token_counts(lengths) -> list[int]:
+    """The samples' token counts as ints: whole numbers only (ints, numpy or 0-d tensor integers),
+    since a truncated 16.7 would let a 17-token sample pass the budget."""
+    try:
+        values = list(lengths)
+    except TypeError:
+        raise InvalidArgument(f"lengths must be a sequence of token counts, one int per sample "
+                              f"(len(sample['input_ids'])), got {type(lengths).__name__}") from None
+    counts = [_whole(value) for value in values]
+    if None in counts:
+        index = counts.index(None)
+        raise InvalidArgument(f"lengths[{index}] is {values[index]!r} ({type(values[index]).__name__}): lengths are "
+                              "whole token counts, one int per sample: pass len(sample['input_ids'])")
+    return counts
+
+
+def _whole(value) -> int | None:
+    if isinstance(value, bool):  # an int subclass: True is a mistake, not 1 token
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 @dataclass(frozen=True)
 class PaddingCollator:
     """Right-pads `input_ids` to the batch's longest (rounded up to `pad_to_multiple_of`), makes
@@ -240,6 +295,10 @@ class PaddingCollator:
     attention_mask: bool = False
 
     def __call__(self, features: list[dict]) -> dict:
+        for index, feature in enumerate(features):
+            if not _has_input_ids(feature):
+                raise InvalidArgument(f"feature {index} has no 'input_ids' ({_keys(feature)}): PaddingCollator pads "
+                                      "token ids: tokenize the dataset first, or pass collate_fn= for its fields")
         ids = [torch.as_tensor(f["input_ids"], dtype=torch.long) for f in features]
         labels = [torch.as_tensor(f.get("labels", f["input_ids"]), dtype=torch.long) for f in features]
         multiple = self.pad_to_multiple_of or 1
@@ -272,8 +331,39 @@ def token_budget_dataloader(dataset, max_tokens: int, *, lengths=None, collate_f
     from torch.utils.data import DataLoader
 
     if lengths is None:
-        lengths = [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+        lengths = _dataset_lengths(dataset)
     sampler = TokenBudgetBatchSampler(lengths, max_tokens, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                       pad_to_multiple_of=pad_to_multiple_of)
     collate = collate_fn or PaddingCollator(pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers)
+
+
+def _dataset_lengths(dataset) -> list[int]:
+    """len(dataset[i]["input_ids"]) for every sample, or an error naming the field and `lengths=`."""
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise InvalidArgument(f"the dataset ({type(dataset).__name__}) has no len(): token budgets sort samples by "
+                              "length, so they need a map-style dataset (len() and dataset[i])") from None
+    lengths = []
+    for index in range(size):
+        sample = dataset[index]
+        if not _has_input_ids(sample):
+            raise InvalidArgument(f"dataset[{index}] has no 'input_ids' ({_keys(sample)}): tokenize the dataset "
+                                  "first, or pass lengths= (each sample's token count) and a collate_fn= for its fields")
+        lengths.append(len(sample["input_ids"]))
+    return lengths
+
+
+def _has_input_ids(sample) -> bool:
+    try:
+        len(sample["input_ids"])
+    except (KeyError, TypeError, IndexError):
+        return False
+    return True
+
+
+def _keys(sample) -> str:
+    if hasattr(sample, "keys"):
+        return "its fields: " + (", ".join(map(str, sample.keys())) or "none")
+    return f"it is a {type(sample).__name__}"

@@ -26,6 +26,7 @@ from llamem.errors import LlamemError
 from llamem.runtime.checked import (MAX_COUNT, DumpError, checked_dict, checked_int, checked_str,
                                     read_json, shown)
 from llamem.units import MAX_SIZE_BYTES
+
 LIVE_ORDER = ("weights", "gradients", "optimizer state", "activations", "logits", "KV cache", "other/temporaries",
               "unclassified")
 CACHED_FREE = "cached but free"
@@ -40,6 +41,16 @@ class Dump:
     """oom.json, every field checked."""
     snapshot: dict
     config_path: Path | None
+    """The dump's own config.json; else the one oom.json names, if it still exists; else None."""
+
+    def missing_config(self) -> str:
+        """Why the model cannot be sized from this dump, and the fix (when config_path is None)."""
+        from llamem.runtime.oom import CONFIG_FILE
+
+        recorded = self.record["config_path"]
+        gone = f" and the {recorded} it was written with no longer exists" if recorded else ""
+        return (f"no config to size the model: {self.directory} holds no {CONFIG_FILE}{gone}; copy the model's "
+                f"{CONFIG_FILE} into {self.directory} and run llamem explain-oom again")
 
 
 def load_dump(directory) -> Dump:
@@ -53,9 +64,18 @@ def load_dump(directory) -> Dump:
     if not (directory / OOM_FILE).is_file():
         raise DumpError(f"{directory}: no {OOM_FILE} in this folder; it is not an OOM dump (see oom_guard)")
     record = check_record(read_json(directory / OOM_FILE, "OOM record"), str(directory / OOM_FILE))
-    config = directory / CONFIG_FILE
     return Dump(directory=directory, record=record, snapshot=_read_snapshot(directory),
-                config_path=config if config.is_file() else None)
+                config_path=_config_path(directory / CONFIG_FILE, record["config_path"]))
+
+
+def _config_path(own: Path, recorded: str | None) -> Path | None:
+    """The folder's own config.json (a copied or moved dump carries it); else the one the dump was
+    written with, where it still is."""
+    if own.is_file():
+        return own
+    if recorded and Path(recorded).is_file():
+        return Path(recorded)
+    return None
 
 
 def _read_snapshot(directory: Path) -> dict:
@@ -364,13 +384,18 @@ def dump_workload(record: dict, where: str):
 
 
 def _spec(dump: Dump):
+    """The model from the dump's config.json; without one, from its name when llamem knows it
+    (None when it does not: the plan is then left out, the rest of the explanation stands)."""
     from llamem.model import load_model
 
     if dump.config_path is not None:
         return load_model(config_path=dump.config_path)
-    if dump.record["model"]:
+    if not dump.record["model"]:
+        return None
+    try:
         return load_model(dump.record["model"])
-    raise DumpError(f"{dump.directory}: no config.json and no model name: the model cannot be sized")
+    except LlamemError:
+        return None
 
 
 def _model_args(dump: Dump, spec) -> tuple[str, ...]:
@@ -379,6 +404,8 @@ def _model_args(dump: Dump, spec) -> tuple[str, ...]:
     from llamem.model import load_model
 
     hub_id = dump.record["model"]
+    if dump.config_path is None:
+        return (hub_id,)  # the spec was loaded by this name
     if hub_id and "/" in hub_id:
         try:
             known = load_model(hub_id)
@@ -430,6 +457,8 @@ def plan_for(dump: Dump, host_budget_bytes: int) -> PlanAdvice:
         return PlanAdvice(plan=None, problem="oom.json has no capacity_bytes: no card to plan for")
     workload = dump_workload(record, str(dump.directory / "oom.json"))
     spec = _spec(dump)
+    if spec is None:
+        return PlanAdvice(plan=None, problem=dump.missing_config())
     budget, note = plan_budget(record)
     names = _model_args(dump, spec)
     command = shlex.join(["llamem", "plan", *names, "--budget", size_arg(budget), *workload_args(workload)])
@@ -452,6 +481,10 @@ class OomExplanation:
     live: LiveMemory
     verdict: Verdict
     workload_labels: tuple[str, ...]
+    estimate_command: str
+    """oom.json's `llamem estimate` command, its --config the dump's config.json; "" when none."""
+    estimate_problem: str | None = None
+    """Why there is no estimate command (its config file is gone)."""
     plan: PlanAdvice
     notes: tuple[str, ...] = ()
 
@@ -477,9 +510,29 @@ def explain_oom(directory, *, host_budget_bytes: int) -> OomExplanation:
         from llamem.techniques import workload_labels
 
         labels = tuple(workload_labels(dump_workload(record, str(dump.directory / "oom.json"))))
+    command, command_problem = estimate_command(dump)
     return OomExplanation(directory=str(dump.directory), record=record, requested_bytes=request,
                           requested_from=request_from, live=live, verdict=verdict(dump, live, request, trace),
-                          workload_labels=labels, plan=plan, notes=tuple(notes))
+                          workload_labels=labels, estimate_command=command, estimate_problem=command_problem,
+                          plan=plan, notes=tuple(notes))
+
+
+def estimate_command(dump: Dump) -> tuple[str, str | None]:
+    """oom.json's `llamem estimate` command with `--config` naming the config this dump is read
+    with: a moved or copied dump's own, not the path it was written at. ("", why) when the command
+    needs a config file and none is left."""
+    command = dump.record["command"]
+    try:
+        words = shlex.split(command)
+    except ValueError:  # an unbalanced quote: not a command llamem wrote
+        return command, None
+    if "--config" not in words[:-1]:
+        return command, None
+    if dump.config_path is None:
+        return "", dump.missing_config()
+    at = words.index("--config") + 1
+    words[at] = str(dump.config_path)
+    return shlex.join(words), None
 
 
 def explanation_to_dict(e: OomExplanation) -> dict:
@@ -494,7 +547,8 @@ def explanation_to_dict(e: OomExplanation) -> dict:
                  "allocated_bytes": e.live.allocated_bytes, "reserved_bytes": e.live.reserved_bytes,
                  "cached_free_bytes": e.live.cached_free_bytes, "classified_by": e.live.how},
         "verdict": dataclasses.asdict(e.verdict),
-        "workload": record["workload"], "unknown": record["unknown"], "estimate_command": record["command"],
+        "workload": record["workload"], "unknown": record["unknown"], "estimate_command": e.estimate_command,
+        "estimate_problem": e.estimate_problem,
         "plan": None if e.plan.plan is None else plan_to_dict(e.plan.plan),
         "plan_problem": e.plan.problem, "plan_budget_bytes": e.plan.budget_bytes,
         "plan_budget_note": e.plan.budget_note, "plan_command": e.plan.command,

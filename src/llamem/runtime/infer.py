@@ -77,6 +77,8 @@ def infer_workload(model, *, optimizer=None, batch: int | None = None, seq: int 
         fields["ac_every"] = _ac_every(base, unknown)
         fields["grad_accum"] = grad_accum
     else:
+        if new_tokens is None:
+            unknown.append("new_tokens: not seen (llamem's default of 256 used)")
         fields["new_tokens"] = new_tokens
     fields["attn"] = _attention_of(base, unknown)
     for name, value in (("batch", batch), ("seq", seq)):
@@ -134,10 +136,8 @@ def _quant_of(base) -> str:
 def _precision_fields(base, task: str, autocast_dtype: str | None, unknown: list[str]) -> dict:
     weight = _DTYPES.get(str(_first_float_dtype(base)), "fp32")
     fields: dict = {}
-    if task in ("lora", "qlora"):
-        if task == "lora" and _quant_of(base) == "int8":
-            fields["quant"] = "int8"
-        return fields
+    if task == "lora" and _quant_of(base) == "int8":
+        fields["quant"] = "int8"
     if weight == "fp32" and task != "infer":
         if autocast_dtype is None:
             unknown.append("autocast: not seen yet (fp32 weights read as bf16-mixed, the Trainer's bf16=True)")
@@ -166,6 +166,9 @@ def _optimizer_of(optimizer, unknown: list[str]) -> str:
     elif any(group.get("fused") for group in getattr(inner, "param_groups", ())):
         # The Trainer's default optim="adamw_torch_fused": one kernel, no foreach temporaries.
         unknown.append(f"optimizer: fused {name} (llamem sizes the foreach step: its optimizer phase errs high)")
+    elif name in ("AdamW", "Adam", "SGD") and not _foreach(inner):
+        unknown.append(f"optimizer: for-loop {name} (torch's default for CPU tensors; llamem sizes the foreach "
+                       "step CUDA tensors get: its optimizer phase errs high)")
     return _OPTIMIZERS.get(name, "adamw")
 
 
@@ -193,3 +196,15 @@ def _ac_every(base, unknown: list[str]) -> int:
         return every
     unknown.append("checkpointing: an irregular set of layers is checkpointed (every layer assumed)")
     return 1
+
+
+def _foreach(optimizer) -> bool:
+    """Whether torch's optimizer runs the foreach step: asked for, or by default on CUDA tensors
+    (torch.optim.optimizer._default_to_fused_or_foreach)."""
+    groups = getattr(optimizer, "param_groups", ())
+    wanted = {group.get("foreach") for group in groups}
+    if wanted == {True}:
+        return True
+    if False in wanted:
+        return False
+    return any(p.is_cuda for group in groups for p in group["params"])

@@ -75,6 +75,9 @@ class Leak:
                 lines.append(f"  {format_bytes(source['bytes'])} in {source['count']} tensor(s) ({source['category']}), "
                              "created at:")
                 lines += [f"    {frame}" for frame in reversed(source["stack"])] or ["    (no stack)"]
+            # The stack is the tensor's birth, not what keeps it: say so, or the forward's line reads as the bug.
+            lines.append("Each stack is where the tensors were created; what keeps them alive is a reference your "
+                         "code holds (a list, a dict, an attribute).")
         if self.stacks_hint:
             lines.append(self.stacks_hint)
         lines.append("Keep numbers, not tensors, across steps: loss.item() or loss.detach(), not loss.")

@@ -10,6 +10,14 @@ How the phases are found (no change to the training code):
   optimizer's step and `zero_grad`, as `llamem trace` counts them. A forward that comes first
   instead (gradient accumulation) makes that stretch a gap between micro-batches, counted in the
   step's peak only. The optimizer's step pre-hook starts the phase when no backward was seen.
+- inference (no backward seen yet, gradients off, as in `generate`): the step's first forward is
+  the prefill and sets the prompt length; a later forward of one token, or on a filled KV cache,
+  is a decode step: phases prefill and decode.
+
+What a whole step shows is read at its end: the tokens a generation made (its decode forwards +
+1, the prefill making the first) and the forward passes with gradients per optimizer step (the
+micro-batches of gradient accumulation, when `grad_accum` is not given). The workload line is
+written again when they change what llamem should size.
 
 Each phase starts with a fresh peak on the memory source (`reset_peak()`), so its peak is its
 own; the step's peak is the largest of all, gaps included. Autocast is read in a pre-hook on the
@@ -21,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -29,6 +38,7 @@ from llamem.runtime.leaks import LeakDetector, LeakWarning, StepMark, cuda_sourc
 
 LOG_VERSION = 1
 PHASES = ("forward", "backward", "optimizer")
+INFER_PHASES = ("prefill", "decode")
 DEFAULT_LEAK_WINDOW = 5
 CUDA_HISTORY_ENTRIES = 100_000
 """Allocation events CUDA keeps for the leak report (a ring buffer, about 2 µs per event)."""
@@ -40,19 +50,22 @@ _AUTOCAST_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
 class MemoryMonitor:
-    """Context manager around a training loop; call `step()` after each optimizer step.
+    """Context manager around a training loop; call `step()` after each optimizer step (or, when
+    generating, after each `generate()` call).
 
     `tracker` (a CpuMemoryTracker the loop runs in) measures a CPU run; without it the current
     CUDA device (or `device`) is read. `log_path` gets one JSON line per step, flushed and
     fsync'd as written, and `<log name>.config.json`, the model's config that the logged
     `llamem estimate --config ...` command reads. `leak_window` steps of growth give one
     `LeakWarning` (None: no leak check). On an out-of-memory error in the monitored region,
-    `oom_dir` gets a dump (`llamem.runtime.oom`), then the error goes on.
+    `oom_dir` gets a dump (`llamem.runtime.oom`), then the error goes on. `grad_accum`: the
+    micro-batches per optimizer step; None counts them (the forward passes with gradients between
+    two `step()` calls); a count that differs from the one given is noted in the workload line.
     """
 
     def __init__(self, model, optimizer=None, log_path=None, *, tracker=None, device: int | None = None,
                  leak_window: int | None = DEFAULT_LEAK_WINDOW, oom_dir=None, task: str | None = None,
-                 grad_accum: int = 1, append: bool = False) -> None:
+                 grad_accum: int | None = None, append: bool = False) -> None:
         _check_settings(leak_window, grad_accum)
         self.model = model
         self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps one
@@ -77,6 +90,13 @@ class MemoryMonitor:
         self._tracker_labels: tuple[str, str] | None = None
         self._workload_key: tuple | None = None
         self._shape: tuple | None = None
+        self._input_names: tuple[str, ...] = ()
+        self._unread_input = False
+        """A forward was seen whose batch shape could not be read (no input_ids or inputs_embeds)."""
+        self._autocast: str | None = None
+        self._new_tokens: int | None = None
+        self._micro_batches_seen = 0
+        """The most forward passes with gradients seen in one step."""
         self._reset_step()
 
     # Context ------------------------------------------------------------------------------
@@ -126,6 +146,7 @@ class MemoryMonitor:
         if step is not None:
             self.step_number = step
         self._boundary(None, step_end=True)
+        self._settle_workload()
         stats = self.source.stats()
         record = {"type": "step", "step": self.step_number, "time_s": round(time.monotonic() - self._started, 6),
                   "batch": self._shape[0] if self._shape else None, "seq": self._shape[1] if self._shape else None,
@@ -144,6 +165,8 @@ class MemoryMonitor:
         self._phases: dict[str, dict] = {}
         self._step_peak = [0, 0]
         self._in_forward = False
+        self._generation = _Generation()
+        self._train_forwards = 0
 
     def _boundary(self, next_phase: str | None, *, step_end: bool = False) -> None:
         """Close the running phase with its peak and end figures, start `next_phase` with a fresh peak."""
@@ -151,17 +174,20 @@ class MemoryMonitor:
         peak = (stats["peak_allocated_bytes"], stats["peak_reserved_bytes"])
         self._step_peak = [max(self._step_peak[0], peak[0]), max(self._step_peak[1], peak[1])]
         phase = "optimizer" if self._phase == _AFTER_BACKWARD and step_end else self._phase
-        if phase in PHASES:
+        if phase in PHASES or phase in INFER_PHASES:
             _merge_phase(self._phases, phase, peak, (stats["allocated_bytes"], stats["reserved_bytes"]))
         self._phase = next_phase
         if self.tracker is not None:  # what the tracker's new allocations are: its snapshots and OOM dumps say so
-            self.tracker.phase = next_phase if next_phase in PHASES else "between steps"
+            known = next_phase in PHASES or next_phase in INFER_PHASES
+            self.tracker.phase = next_phase if known else "between steps"
+            # Work without gradients makes temporaries, as `llamem trace` labels it; the KV cache is relabelled.
             self.tracker.category = "activations" if next_phase == "forward" else "temporaries"
         self.source.reset_peak()
 
     # Hooks --------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
         model = self.model
+        self._input_names = _positional_names(model)
         self._hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._on_forward_end, with_kwargs=True))
         embeddings = _input_embeddings(model)
@@ -176,11 +202,37 @@ class MemoryMonitor:
 
         if self._saw_backward and not torch.is_grad_enabled():
             return  # an evaluation forward inside training: not a phase of the step
-        self._boundary("forward")
-        self._shape = _batch_shape(args, kwargs) or self._shape
+        shape = _batch_shape(self._input_names, args, kwargs)
+        self._unread_input = self._unread_input or shape is None
+        if self._generating():
+            phase = self._generation.see(shape, _cache_filled(kwargs))
+            self._boundary(phase)
+            if self._generation.forwards == 1:
+                self._shape = shape or self._shape
+        else:
+            self._drop_generation()
+            self._boundary("forward")
+            self._shape = shape or self._shape
+            if torch.is_grad_enabled():  # a micro-batch (an evaluation under no_grad told to be training is not)
+                self._train_forwards += 1
         self._in_forward = True
         if not self._embeddings_hooked:
             self._see_workload(module)
+
+    def _generating(self) -> bool:
+        """Inference: told so, or a forward without gradients before any backward (generate())."""
+        import torch
+
+        if self.task is not None:
+            return self.task == "infer"
+        return not self._saw_backward and not torch.is_grad_enabled()
+
+    def _drop_generation(self) -> None:
+        """A forward with gradients in a step that had forwards without: those were an evaluation."""
+        if self._generation.forwards:
+            for phase in INFER_PHASES:
+                self._phases.pop(phase, None)
+            self._generation = _Generation()
 
     def _on_embeddings(self, module, args) -> None:
         if self._in_forward:
@@ -190,7 +242,9 @@ class MemoryMonitor:
         if not self._in_forward:
             return
         self._in_forward = False
-        root = _root_tensor(output)
+        if self._generation.forwards and self.tracker is not None:
+            _label_cache(self.tracker, kwargs, output)
+        root = root_tensor(output)
         if root is not None and root.grad_fn is not None:
             root.grad_fn.register_prehook(self._on_backward_start)
 
@@ -212,22 +266,56 @@ class MemoryMonitor:
 
     # The workload and its prediction ------------------------------------------------------
     def _see_workload(self, module) -> None:
-        """Write the workload line when the batch shape or autocast is first seen, or changes."""
-        autocast = _autocast_dtype(module)
-        key = (self._shape, autocast, self.model.training)
+        """Autocast, read inside the forward; a training step's workload line is written as soon as
+        its batch shape is seen, a generation's at the step's end (its tokens are counted then)."""
+        self._autocast = _autocast_dtype(module)
+        if not self._generation.forwards:
+            self._new_tokens = None
+            self._refresh_workload()
+
+    def _settle_workload(self) -> None:
+        """At the step's end: what only a whole step shows (the tokens a generation made, the
+        micro-batches of an optimizer step) goes into the workload line."""
+        generation = self._generation
+        if generation.forwards:
+            self._shape = (generation.batch, generation.seq) if generation.batch else self._shape
+            self._new_tokens = generation.new_tokens
+        elif self._train_forwards:
+            self._micro_batches_seen = max(self._micro_batches_seen, self._train_forwards)
+        else:
+            return
+        self._refresh_workload()
+
+    def _grad_accum(self) -> tuple[int, str | None]:
+        """The micro-batches per optimizer step to size, and a note when the run disagrees with them."""
+        seen = self._micro_batches_seen
+        if self.grad_accum is None:
+            return max(seen, 1), None
+        if seen and seen != self.grad_accum:
+            return self.grad_accum, (f"grad_accum: {self.grad_accum} given, but {seen} forward passes with "
+                                     f"gradients were seen per optimizer step (the prediction uses {self.grad_accum})")
+        return self.grad_accum, None
+
+    def _refresh_workload(self) -> None:
+        """Write the workload line when what llamem should size is first known, or changes."""
+        key = (self._shape, self._autocast, self.model.training, self._new_tokens, self._grad_accum())
         if self.workload_record is not None and self._workload_key == key:
             return
         self._workload_key = key
-        self.inferred = self._infer(autocast)
+        self.inferred = self._infer()
         self.workload_record = self._workload_line(self.inferred)
         self._write(self.workload_record)
 
-    def _infer(self, autocast: str | None = None):
+    def _infer(self):
+        import dataclasses
+
         from llamem.runtime.infer import infer_workload
 
         batch, seq = self._shape if self._shape else (None, None)
-        return infer_workload(self.model, optimizer=self.optimizer, batch=batch, seq=seq, task=self.task,
-                              autocast_dtype=autocast, grad_accum=self.grad_accum)
+        grad_accum, note = self._grad_accum()
+        inferred = infer_workload(self.model, optimizer=self.optimizer, batch=batch, seq=seq, task=self.task,
+                                  autocast_dtype=self._autocast, grad_accum=grad_accum, new_tokens=self._new_tokens)
+        return dataclasses.replace(inferred, unknown=(*inferred.unknown, note)) if note else inferred
 
     def _workload_line(self, inferred) -> dict:
         from llamem.reporters.json_report import workload_dict
@@ -341,22 +429,28 @@ class MemoryMonitor:
 
     def summary(self) -> str:
         """Measured (the last step: the steady state) vs predicted bytes per phase."""
-        return render_summary(self.records, self.workload_record, self.source.kind)
+        return render_summary(self.records, self.workload_record, self.source.kind, unread_input=self._unread_input)
 
 
-def render_summary(steps: list[dict], workload: dict | None, source: str) -> str:
-    """The summary of a monitored run, from its step lines and its last workload line."""
+NO_STEP = ("llamem monitor: no step recorded: call monitor.step() after each optimizer step (after each "
+           "generate() call when generating), or train with LlamemCallback in a transformers Trainer")
+
+
+def render_summary(steps: list[dict], workload: dict | None, source: str, *, unread_input: bool = False) -> str:
+    """The summary of a monitored run, from its step lines and its last workload line.
+    `unread_input`: a forward was seen whose batch shape could not be read."""
     from llamem.units import display_unit, format_in
 
     if not steps:
-        return "llamem monitor: no step recorded"
+        return NO_STEP
     last = steps[-1]
     predicted = (workload or {}).get("predicted") or {}
+    names = [p for p in (*PHASES, *INFER_PHASES) if p in predicted or p in last["phases"]] or list(PHASES)
     rows = [(phase, last["phases"].get(phase, {}).get("peak_allocated_bytes"), predicted.get(phase))
-            for phase in PHASES]
+            for phase in names]
     rows.append(("step", last["peak_allocated_bytes"], max(predicted.values()) if predicted else None))
     unit = display_unit(max([m or 0 for _, m, _ in rows] + [p or 0 for _, _, p in rows]))
-    shape = f"batch {last['batch']} x {last['seq']} tokens" if last.get("batch") else "batch shape not seen"
+    shape = _shape_text(last, unread_input)
     lines = [f"llamem monitor: {len(steps)} steps ({source}), {shape}; peak allocated at step {last['step']}",
              f"{'phase':<10} {'measured':>12} {'predicted':>12} {'ratio':>6}"]
     for name, measured, expected in rows:
@@ -372,17 +466,25 @@ def render_summary(steps: list[dict], workload: dict | None, source: str) -> str
     return "\n".join(lines)
 
 
+def _shape_text(step: dict, unread_input: bool) -> str:
+    if step.get("batch"):
+        return f"batch {step['batch']} x {step['seq']} tokens"
+    if unread_input:
+        return "batch shape unknown (the model's input is neither input_ids nor inputs_embeds)"
+    return "batch shape not seen"
+
+
 def _cell(num_bytes: int | None, unit, format_in) -> str:
     return "-" if num_bytes is None else format_in(num_bytes, unit)
 
 
 # Helpers ----------------------------------------------------------------------------------
-def _check_settings(leak_window: int | None, grad_accum: int) -> None:
+def _check_settings(leak_window: int | None, grad_accum: int | None) -> None:
     problems = []
     if leak_window is not None and (not isinstance(leak_window, int) or leak_window < 2):
         problems.append(f"leak_window must be 2 steps or more (or None for no leak check), got {leak_window!r}")
-    if not isinstance(grad_accum, int) or grad_accum < 1:
-        problems.append(f"grad_accum must be 1 or more, got {grad_accum!r}")
+    if grad_accum is not None and (not isinstance(grad_accum, int) or grad_accum < 1):
+        problems.append(f"grad_accum must be 1 or more (or None to count it), got {grad_accum!r}")
     if problems:
         raise LlamemError("; ".join(problems))
 
@@ -420,15 +522,87 @@ def _input_embeddings(model):
         return None
 
 
-def _batch_shape(args, kwargs) -> tuple[int, int] | None:
-    """(batch, seq) of input_ids, or of inputs_embeds; None when neither is a batch of sequences."""
-    tensor = kwargs.get("input_ids")
-    if tensor is None:
-        tensor = kwargs.get("inputs_embeds")
-    if tensor is None and args:
-        tensor = args[0]
-    shape = getattr(tensor, "shape", None)
-    return (int(shape[0]), int(shape[1])) if shape is not None and len(shape) >= 2 else None
+def _positional_names(model) -> tuple[str, ...]:
+    """The names of the model's positional forward arguments: which one is input_ids."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _batch_shape(names: tuple[str, ...], args, kwargs) -> tuple[int, int] | None:
+    """(batch, seq) of input_ids, or of inputs_embeds (its first two dimensions); None when the
+    model gets neither (another input's shape says nothing of tokens)."""
+    inputs = {**dict(zip(names, args)), **kwargs}
+    for name in ("input_ids", "inputs_embeds"):
+        shape = getattr(inputs.get(name), "shape", None)
+        if shape is not None and len(shape) >= 2:
+            return int(shape[0]), int(shape[1])
+    return None
+
+
+def _cache_filled(kwargs) -> bool:
+    """Whether a forward continues a sequence: its KV cache (`cache`, `past_key_values`) holds
+    tokens, or its `cache_position` starts past 0."""
+    position = kwargs.get("cache_position")
+    if position is not None and position.numel() and int(position.reshape(-1)[0]) > 0:
+        return True
+    cache = kwargs.get("cache")
+    if cache is None:
+        cache = kwargs.get("past_key_values")
+    if cache is None:
+        return False
+    if hasattr(cache, "get_seq_length"):
+        return cache.get_seq_length() > 0
+    return len(cache) > 0  # the legacy tuple of (keys, values) per layer
+
+
+def _label_cache(tracker, kwargs, output) -> None:
+    """The KV cache's tensors are kv_cache, as `llamem trace` labels them."""
+    import torch
+
+    cache = next((c for c in (kwargs.get("cache"), kwargs.get("past_key_values"),
+                              getattr(output, "past_key_values", None)) if c is not None), None)
+    for layer in getattr(cache, "layers", ()):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                tracker.label(tensor, "kv_cache")
+
+
+@dataclass(slots=True)
+class _Generation:
+    """The inference forwards of one step, as `generate` makes them: a prefill (the prompt, in
+    chunks when prefill_chunk_size is set), then a decode forward per new token after the first."""
+
+    forwards: int = 0
+    batch: int | None = None
+    seq: int | None = None
+    """The longest prompt of the step."""
+    new_tokens: int = 0
+    """The most tokens one generation made: its decode forwards + 1 (the prefill makes the first)."""
+    prompt: int = 0
+    decodes: int = 0
+
+    def see(self, shape: tuple[int, int] | None, cached: bool) -> str:
+        """The phase of a forward ("prefill" or "decode"), counted."""
+        tokens = shape[1] if shape else None
+        self.forwards += 1
+        if self.forwards == 1 or (tokens != 1 and not cached):  # a prompt: the step's first, or a new one
+            self.prompt, self.decodes = tokens or 0, 0
+            self.batch = max(self.batch or 0, shape[0]) if shape else self.batch
+            phase = "prefill"
+        elif tokens not in (None, 1) and self.decodes == 0:  # the prompt's next chunk
+            self.prompt += tokens
+            phase = "prefill"
+        else:  # one token, or more on a filled cache (assisted decoding's check)
+            self.decodes += 1
+            phase = "decode"
+        self.seq = max(self.seq or 0, self.prompt) or None
+        self.new_tokens = max(self.new_tokens, self.decodes + 1)
+        return phase
 
 
 def _autocast_dtype(module) -> str:
@@ -441,7 +615,7 @@ def _autocast_dtype(module) -> str:
     return _AUTOCAST_DTYPES.get(str(torch.get_autocast_dtype(device_type)), "fp32")
 
 
-def _root_tensor(output):
+def root_tensor(output):
     """Where backward starts in the model: its loss when it computes one, else its first output."""
     import torch
 

@@ -31,13 +31,17 @@ OOM_FILE = "oom.json"
 CONFIG_FILE = "config.json"
 SNAPSHOT_JSON = "snapshot.json"
 SNAPSHOT_PICKLE = "snapshot.pickle"
-_TORCH_UNITS = {"bytes": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}
-_TRIED = re.compile(r"Tried to allocate ([0-9]+(?:\.[0-9]+)?) (bytes|KiB|MiB|GiB|TiB)")
+_TORCH_UNITS = {"bytes": 1, "B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}
+_TRIED = re.compile(r"Tried to allocate ([0-9]+(?:\.[0-9]+)?) (bytes|B|KiB|MiB|GiB|TiB)\b")
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+"""Where an nn.Module keeps its forward hooks, by the hook's key (torch/nn/modules/module.py)."""
 
 
 def requested_from_message(message: str) -> int | None:
-    """The request an OOM message names ("Tried to allocate 20.00 MiB"), to the message's two
-    decimals (c10's format_size), or None."""
+    """The request an OOM message names ("Tried to allocate 20.00 MiB", "... 512 bytes"), to the
+    message's two decimals (c10's format_size), or None. "512 B" is read too: the CPU tracker
+    wrote sizes so before it used c10's format."""
     match = _TRIED.search(message)
     if match is None:
         return None
@@ -147,7 +151,13 @@ def _write_json_atomically(path: Path, data, **options) -> None:
 class OomGuard:
     """`with oom_guard(DIR, model, optimizer, tracker=tracker, batch=8, seq=2048):` around a step:
     on `torch.OutOfMemoryError` the dump is written to DIR and the error goes on (re-raised).
-    `guard.path` is the folder once written. Neither the exception nor its traceback is kept."""
+    `guard.path` is the folder once written. Neither the exception nor its traceback is kept.
+
+    While the guard is entered, hooks on the model and optimizer follow the step's phase
+    (forward, backward, optimizer), as the memory monitor does, and the dump records the phase
+    the error was raised in. With a tracker they also label its new allocations: the trace
+    engine's module hooks tell activations from logits, and the phase says the rest. The hooks
+    are removed and the tracker's labels restored on exit."""
 
     def __init__(self, directory, model, optimizer=None, tracker=None, batch: int | None = None,
                  seq: int | None = None, *, device: int | None = None, step: int | None = None,
@@ -160,29 +170,59 @@ class OomGuard:
         self.workload_options = {"batch": batch, "seq": seq, "task": task, "autocast_dtype": autocast_dtype,
                                  "grad_accum": grad_accum}
         self.path: Path | None = None
+        self.phase: str | None = None
+        """The phase the hooks last saw: forward, backward or optimizer (None before the first forward)."""
         self._source = None
+        self._hooks: list = []
+        self._active = False
+        self._labelled_by_modules = False
+        self._saved_labels: tuple[str, str, int] | None = None
 
     def __enter__(self) -> OomGuard:
         from llamem.runtime.sources import memory_source
 
         # Resolved before the step runs: a guard that could not write its dump fails now, not at the OOM.
-        self._source = memory_source(tracker=self.tracker, device=self.device)
+        try:
+            self._source = memory_source(tracker=self.tracker, device=self.device)
+        except RuntimeError as err:  # no CUDA and no tracker: the message names the fix
+            raise LlamemError(f"oom_guard: {err}") from None
+        if self.tracker is not None:
+            self._saved_labels = (self.tracker.phase, self.tracker.category, len(self.tracker.stack))
+            category_hooks = install_category_hooks(self.model, self.tracker)
+            self._labelled_by_modules = bool(category_hooks)
+            self._hooks += category_hooks
+        self._hooks += self._phase_hooks()
+        self._active = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         import torch
 
-        if exc_type is None or not issubclass(exc_type, torch.OutOfMemoryError):
-            return False
-        message = str(exc)
-        del exc, tb  # this frame must not keep the step's tensors alive
         try:
-            self.path = self.dump(message)
-        except Exception as err:  # noqa: BLE001
-            # The user's OOM matters more than its dump: say why there is none and let the error go on.
-            warnings.warn(f"the OOM dump could not be written to {self.directory}: {err}", RuntimeWarning,
-                          stacklevel=2)
-        return False
+            if exc_type is None or not issubclass(exc_type, torch.OutOfMemoryError):
+                return False
+            message = str(exc)
+            del exc, tb  # this frame must not keep the step's tensors alive
+            try:
+                self.path = self.dump(message)
+            except Exception as err:  # noqa: BLE001
+                # The user's OOM matters more than its dump: say why there is none and let the error go on.
+                warnings.warn(f"the OOM dump could not be written to {self.directory}: {err}", RuntimeWarning,
+                              stacklevel=2)
+            return False
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        self._active = False
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self._saved_labels is not None:
+            # An error inside a module leaves the category hooks' stack part-way: cut it back too.
+            self.tracker.phase, self.tracker.category, depth = self._saved_labels
+            del self.tracker.stack[depth:]
+            self._saved_labels = None
 
     def dump(self, message: str) -> Path:
         from llamem.runtime.infer import infer_workload
@@ -191,7 +231,47 @@ class OomGuard:
             relabel(self.tracker, self.model, self.optimizer)
         inferred = infer_workload(self.model, optimizer=self.optimizer, **self.workload_options)
         return write_oom_dump(self.directory, source=self._source, inferred=inferred, error=message,
-                              step=self.step)
+                              step=self.step, phase=self.phase)
+
+    # The step's phases, found by the monitor's hooks (llamem.runtime.monitor) --------------------
+    def _phase_hooks(self) -> list:
+        hooks = [self.model.register_forward_pre_hook(self._on_forward),
+                 self.model.register_forward_hook(self._on_forward_end)]
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds one
+        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+            hooks.append(optimizer.register_step_pre_hook(lambda *_: self._enter_phase("optimizer")))
+        return hooks
+
+    def _on_forward(self, module, args) -> None:
+        self._enter_phase("forward")
+
+    def _on_forward_end(self, module, args, output) -> None:
+        from llamem.runtime.monitor import root_tensor
+
+        root = root_tensor(output)
+        if root is not None and root.grad_fn is not None:
+            root.grad_fn.register_prehook(self._on_backward_start)
+
+    def _on_backward_start(self, grad_outputs) -> None:
+        from torch.autograd import Variable
+
+        self._enter_phase("backward")
+        # Clipping, the optimizer's step and zero_grad follow a backward: the trace engine counts them so.
+        Variable._execution_engine.queue_callback(lambda: self._enter_phase("optimizer"))
+
+    def _enter_phase(self, phase: str) -> None:
+        if not self._active:
+            return  # the guard has exited: a graph kept past it must not relabel the tracker
+        self.phase = phase
+        if self.tracker is None:
+            return
+        self.tracker.phase = phase
+        if phase == "forward":
+            self.tracker.category = "activations"
+        elif phase == "optimizer" or not self._labelled_by_modules:
+            self.tracker.category = "temporaries"
+        # A backward under the module hooks keeps their "logits" until the head's gradients are
+        # done (the final norm's gradient hook then says temporaries), as `llamem trace` counts it.
 
 
 def oom_guard(directory, model, optimizer=None, tracker=None, batch: int | None = None, seq: int | None = None,
@@ -226,3 +306,40 @@ def _labelled_tensors(model, optimizer):
             for key, value in state.items():
                 if hasattr(value, "untyped_storage"):
                     yield value, f"optimizer/{key}"
+
+
+def install_category_hooks(model, tracker) -> list:
+    """The trace engine's module hooks (`llamem.trace.run.label_by_module`: the decoder's
+    modules make activations, the head makes logits) on `model` for `tracker`, with handles that
+    remove them; none when the model is not a decoder with layers, embed_tokens and norm."""
+    from llamem.trace.run import label_by_module
+
+    modules = list(model.modules())
+    before = [_hook_keys(module) for module in modules]
+    try:
+        label_by_module(model, tracker)
+        installed = True
+    except (AttributeError, TypeError):  # another architecture: the phases label its allocations
+        installed = False
+    # That function keeps no handles: its hooks are the keys that were not there before.
+    handles = [_ModuleHook(module, key) for module, old in zip(modules, before) for key in _hook_keys(module) - old]
+    if installed:
+        return handles
+    for handle in handles:
+        handle.remove()
+    return []
+
+
+def _hook_keys(module) -> set[int]:
+    return set(module._forward_pre_hooks) | set(module._forward_hooks)
+
+
+class _ModuleHook:
+    """A forward hook of `module` found by its key, removed as its RemovableHandle would remove it."""
+
+    def __init__(self, module, key: int) -> None:
+        self.module, self.key = module, key
+
+    def remove(self) -> None:
+        for name in _HOOK_DICTS:
+            getattr(self.module, name, {}).pop(self.key, None)

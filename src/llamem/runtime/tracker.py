@@ -8,7 +8,9 @@ every runtime feature (monitor, OOM explainer, batch finder, token budgets) runs
 path on a CPU with real tiny models.
 
 Tensors that exist before the tracker is entered (a model built outside it, a DataLoader's
-batches) are not seen until `track()` is given them.
+batches) are not seen until `track()` is given them. A dispatch mode is active in the thread
+that enters it: tensors other threads create (a DataLoader's worker threads, a user's own) are
+not counted either. Autograd's backward on CPU runs in the calling thread, so training is seen.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from llamem.errors import LlamemError
 from llamem.trace.tracer import COPY_OPS, rounded
-from llamem.units import format_bytes
 
 TRACE_FORMAT = "llamem-trace-v1"
 """What `allocator replay` reads (llamem/allocator/trace_input.py)."""
 DEFAULT_STACK_DEPTH = 6
 _SKIPPED_FRAMES = ("/torch/", "/llamem/runtime/tracker.py", "/transformers/", "/contextlib.py")
+
+
+class InvalidCapacity(LlamemError, ValueError):
+    """A tracker capacity that is not a positive number of bytes."""
 
 
 @dataclass(slots=True)
@@ -53,8 +59,10 @@ class CpuMemoryTracker(TorchDispatchMode):
     def __init__(self, capacity_bytes: int | None = None, *, record_stacks: bool = False,
                  stack_depth: int = DEFAULT_STACK_DEPTH, history: bool = True) -> None:
         super().__init__()
-        if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+                                           or capacity_bytes <= 0):
+            raise InvalidCapacity(f"capacity_bytes must be a positive integer number of bytes (e.g. 8 * 2**30, or "
+                                  f"llamem.units.parse_size('8GiB')), got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self.record_stacks = record_stacks
         self.stack_depth = stack_depth
@@ -142,14 +150,17 @@ class CpuMemoryTracker(TorchDispatchMode):
         return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-self.stack_depth:])
 
     def _raise_oom(self, requested_bytes: int) -> None:
+        # Sizes as c10's format_size writes them ("512 bytes", "2.00 MiB"): parsers of torch's message read these too.
+        from llamem.allocator.simulator import format_size
+
         self.num_ooms += 1
         self.oom_requested_bytes = requested_bytes
         free = max(0, self.capacity_bytes - self.current_bytes)
         raise torch.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {format_bytes(requested_bytes)}. GPU 0 has a total capacity of "
-            f"{format_bytes(self.capacity_bytes)} of which {format_bytes(free)} is free. Of the allocated memory "
-            f"{format_bytes(self.current_bytes)} is allocated by PyTorch, and 0 bytes is reserved by PyTorch but "
-            "unallocated. (Raised by llamem's CpuMemoryTracker at its capacity: a CPU stand-in for a GPU.)")
+            f"CUDA out of memory. Tried to allocate {format_size(requested_bytes)}. GPU 0 has a total capacity of "
+            f"{format_size(self.capacity_bytes)} of which {format_size(free)} is free. Of the allocated memory "
+            f"{format_size(self.current_bytes)} is allocated by PyTorch, and {format_size(0)} is reserved by "
+            "PyTorch but unallocated. (Raised by llamem's CpuMemoryTracker at its capacity: a CPU stand-in for a GPU.)")
 
     # Tensors from outside -------------------------------------------------------------
     def track(self, *objects, category: str | None = None) -> None:

@@ -45,8 +45,8 @@ def trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None)
         model = _materialise(model, tracer, "weights")
         if teacher_model is not None:
             teacher_model = _materialise(teacher_model, tracer, "weights/teacher").eval()
-            _install_category_hooks(teacher_model, tracer)
-        _install_category_hooks(model, tracer)
+            label_by_module(teacher_model, tracer)
+        label_by_module(model, tracer)
         if workload.is_training:
             optimizer = make_optimizer(model, workload, notes)
             train_steps(model, teacher_model, optimizer, workload, spec, tracer)
@@ -110,7 +110,7 @@ def _decoder(model):
     return base.model
 
 
-def _install_category_hooks(model, tracer: StorageTracer) -> None:
+def label_by_module(model, tracer: StorageTracer) -> None:
     """Label allocations by where they happen: decoder modules make activations, the head makes logits."""
     decoder = _decoder(model)
     stack = tracer.stack
