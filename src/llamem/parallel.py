@@ -17,6 +17,10 @@ tests): with bf16 mixed precision
 Frozen weights (LoRA/QLoRA, inference, a distillation teacher) are replicated, or sharded by
 ZeRO-3; tensor and pipeline parallelism split a teacher like the student.
 
+With `engine="fsdp2"` (`Fsdp2Layout`) ZeRO-3 is sized as torch FSDP2 runs it (`fully_shard` per
+decoder layer, the embedding, the final norm with the head, the root): `fsdp2_phases`, whose
+docstring derives each term from torch's source.
+
 Tensor parallel t divides heads, KV heads, the MLP width and the vocabulary by t
 (Megatron-style column/row splits, vocabulary-parallel loss); norms and the residual stream
 are replicated. Pipeline parallel p gives a stage ceil(L/p) layers; the first stage keeps
@@ -27,15 +31,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from llamem.analytic import estimate
+from llamem.analytic.activations import (checkpoint_mask_bytes, is_checkpointed, layer_saved_bytes, rope_bytes,
+                                         stream_bytes, training_activations)
+from llamem.analytic.common import r512
+from llamem.analytic.logits import training_logits
+from llamem.analytic.weights import rope_buffer_bytes
+from llamem.dtypes import DTYPE_BYTES
 from llamem.errors import InvalidWorkload
 from llamem.model import ModelSpec
-from llamem.workload import Workload
+from llamem.workload import Workload, with_changes
 
 Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
+Engine = Literal["deepspeed", "fsdp2"]
+ENGINES = ("deepspeed", "fsdp2")
 HOST_BUFFER_FACTOR = 1.5
 MAX_GPUS = 2**17
 """The largest layout sized: beyond the biggest clusters built (about 100,000 GPUs)."""
@@ -51,6 +63,10 @@ class Layout:
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     microbatches: int = 1
     """Micro-batches per step flowing through the pipeline (= gradient accumulation under PP)."""
+    engine: ClassVar[Engine] = "deepspeed"
+    """Who runs ZeRO-3, which decides how it is sized: DeepSpeed's accounting here, torch FSDP2 in
+    `Fsdp2Layout` (`with_engine`). A class attribute, so that layouts as dicts (plan JSON) keep
+    their fields."""
 
     @property
     def num_gpus(self) -> int:
@@ -59,7 +75,8 @@ class Layout:
     def describe(self) -> str:
         parts = []
         if self.dp > 1 or self.sharding not in ("none", "ddp"):
-            parts.append(f"{self.sharding} x{self.dp}" if self.sharding != "none" else f"dp x{self.dp}")
+            name = "fsdp2" if self.engine == "fsdp2" else self.sharding
+            parts.append(f"{name} x{self.dp}" if self.sharding != "none" else f"dp x{self.dp}")
         elif self.dp > 1:
             parts.append(f"ddp x{self.dp}")
         if self.tp > 1:
@@ -70,6 +87,19 @@ class Layout:
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
         return ", ".join(parts) or "1 GPU"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fsdp2Layout(Layout):
+    """ZeRO-3 as torch FSDP2 runs it (`fully_shard`), sized by `fsdp2_phases`."""
+
+    engine: ClassVar[Engine] = "fsdp2"
+
+
+def with_engine(layout: Layout, engine: str) -> Layout:
+    """The same layout run by `engine` ("deepspeed" or "fsdp2")."""
+    cls = Fsdp2Layout if engine == "fsdp2" else Layout
+    return cls(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)})
 
 
 _SHARD_CACHE: dict[tuple, ModelSpec] = {}
@@ -108,9 +138,9 @@ def check_layout(spec: ModelSpec, layout: Layout) -> list[str]:
 
 
 def make_layout(spec: ModelSpec, w: Workload, *, gpus: int = 1, tp: int = 1, pp: int = 1, sharding: str | None = None,
-                offload: str = "none", pp_schedule: str = "1f1b") -> Layout:
-    """The layout of `llamem estimate --gpus/--tp/--pp/--sharding/--offload`, checked; every problem is
-    reported at once, each with the flag to change."""
+                offload: str = "none", pp_schedule: str = "1f1b", engine: str = "deepspeed") -> Layout:
+    """The layout of `llamem estimate --gpus/--tp/--pp/--sharding/--offload/--engine`, checked; every
+    problem is reported at once, each with the flag to change."""
     if min(gpus, tp, pp) < 1 or max(gpus, tp, pp) > MAX_GPUS:
         raise InvalidWorkload([f"--gpus, --tp and --pp must be from 1 to {MAX_GPUS:,}"])
     problems = []
@@ -121,6 +151,10 @@ def make_layout(spec: ModelSpec, w: Workload, *, gpus: int = 1, tp: int = 1, pp:
     if sharding in ("zero1", "zero2") and not w.is_training:
         problems.append(f"--sharding {sharding} shards gradients and optimizer state, which generation does not "
                         "have: use --sharding zero3 (frozen weights sharded), ddp (replicas) or none")
+    if engine not in ENGINES:
+        problems.append(f"--engine {engine}: choose {' or '.join(ENGINES)}")
+    elif engine == "fsdp2":
+        problems += fsdp2_problems(w, tp=tp, pp=pp, sharding=sharding, offload=offload)
     if problems:
         raise InvalidWorkload(problems)
     dp = gpus // (tp * pp)
@@ -131,7 +165,27 @@ def make_layout(spec: ModelSpec, w: Workload, *, gpus: int = 1, tp: int = 1, pp:
     problems = check_layout(spec, layout)
     if problems:
         raise InvalidWorkload(problems)
-    return layout
+    return with_engine(layout, engine) if engine != "deepspeed" else layout
+
+
+def fsdp2_problems(w: Workload, *, tp: int, pp: int, sharding: str | None, offload: str) -> list[str]:
+    """What `--engine fsdp2` cannot size (yet), each with the flag to change."""
+    problems = []
+    if sharding != "zero3":
+        problems.append("--engine fsdp2 sizes ZeRO-3 as torch FSDP2 runs it: add --sharding zero3, or drop "
+                        "--engine fsdp2 (ZeRO-1/2 and DDP are sized as DeepSpeed and torch run them)")
+    if tp > 1 or pp > 1:
+        problems.append("--engine fsdp2 sizes data parallelism alone: drop --tp and --pp, or drop --engine fsdp2")
+    if offload != "none":
+        problems.append("--engine fsdp2 sizes no offload: drop --offload, or drop --engine fsdp2 (DeepSpeed's "
+                        "ZeRO-Offload)")
+    if w.task != "train":
+        problems.append(f"--engine fsdp2 sizes full fine-tuning (--task train) for now: drop --engine fsdp2 for "
+                        f"--task {w.task}")
+    if w.optimizer not in ("adamw", "sgd"):
+        problems.append(f"--engine fsdp2 sizes AdamW and SGD on the shards: use --optimizer adamw or sgd, or drop "
+                        f"--engine fsdp2 for {w.optimizer}")
+    return problems
 
 
 def fsdp_shard_bytes(spec: ModelSpec, bytes_per_element: int, world: int) -> int:
@@ -184,6 +238,8 @@ def per_gpu_phases(spec: ModelSpec, w: Workload, layout: Layout,
     """Phase breakdowns for the busiest GPU of the layout. A teacher is split by tensor and pipeline
     parallelism like the student (its vocabulary is checked before either is split)."""
     check_teacher(spec, teacher)
+    if layout.engine == "fsdp2":
+        return fsdp2_phases(spec, w, layout)
     local = shard_spec(spec, layout)
     local_teacher = shard_spec(teacher, layout) if teacher is not None else None
     return apply_data_parallel(local_phases(local, w, layout, local_teacher), local, w, layout, local_teacher)
@@ -239,3 +295,202 @@ def apply_data_parallel(phases: dict[str, dict[str, int]], local: ModelSpec, w: 
         for name in ("forward", "backward", "optimizer"):
             phases[name]["gradients/ddp_buckets"] = buckets
     return phases
+
+
+# FSDP2 ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fsdp2Unit:
+    """One `fully_shard` unit on one rank, each tensor rounded to 512 bytes as the allocator does."""
+
+    shards_bytes: int
+    """Its parameters' shards in the storage dtype (one tensor each)."""
+    gathered_bytes: int
+    """Its unsharded parameters in the param dtype (one tensor each, padded to N shards)."""
+    grads_bytes: int
+    """Their unsharded gradients, as autograd makes them (param dtype, one tensor each)."""
+    last_grad_bytes: int
+    """Its last parameter's unsharded gradient, alive through its reduce-scatter."""
+    buffer_bytes: int
+    """The flat all-gather output (param dtype)."""
+    rs_input_bytes: int
+    """The flat reduce-scatter input (reduce dtype)."""
+    grad_shard_bytes: int
+    """The reduce-scatter output, which its sharded gradients are views of (reduce dtype)."""
+    tensors: int
+    saved_bytes: int = 0
+    """Activations of this unit alive at its backward (a checkpointed layer's recomputed set)."""
+    kept_bytes: int = 0
+    """Activations it keeps from its forward until its backward (a checkpointed layer: its input)."""
+
+
+def fsdp2_unit(shapes: list[tuple[int, int]], w: Workload, world: int, saved_bytes: int = 0,
+               kept_bytes: int = 0) -> Fsdp2Unit:
+    """A unit of parameters of (rows, columns) shapes, in FSDP2's parameter order."""
+    param, storage = DTYPE_BYTES[w.compute_dtype], DTYPE_BYTES[w.weight_dtype]
+    reduce = 4 if w.mixed else storage  # MixedPrecisionPolicy(reduce_dtype=fp32); without one, the gradients'
+    numels = [rows * cols for rows, cols in shapes]
+    padded = [-(-rows // world) * world * cols for rows, cols in shapes]  # dim 0 padded to N equal shards
+    return Fsdp2Unit(shards_bytes=sum(r512(storage * n // world) for n in padded),
+                     gathered_bytes=sum(r512(param * n) for n in padded),
+                     grads_bytes=sum(r512(param * n) for n in numels), last_grad_bytes=r512(param * numels[-1]),
+                     buffer_bytes=r512(param * sum(padded)), rs_input_bytes=r512(reduce * sum(padded)),
+                     grad_shard_bytes=r512(reduce * sum(padded) // world), tensors=len(shapes),
+                     saved_bytes=saved_bytes, kept_bytes=kept_bytes)
+
+
+def fsdp2_units(spec: ModelSpec, w: Workload, world: int) -> tuple[list[Fsdp2Unit], Fsdp2Unit | None]:
+    """The bundle's units in backward order (the head, the layers from the top, the embedding) and the
+    root's own unit when the embedding is tied to the head (gathered from the first forward to the end of
+    backward), else None. A layer is saved at its backward (recomputed when checkpointed)."""
+    h, compute = spec.hidden_size, with_changes(w, precision=w.compute_dtype)
+    layer = [(fan_out, fan_in) for fan_in, fan_out in spec.layer_linear_shapes().values()] + [(h, 1), (h, 1)]
+    layers = []
+    for index in reversed(range(spec.num_layers)):
+        saved = sum(layer_saved_bytes(spec, compute, index).values())
+        kept = stream_bytes(compute, spec) if is_checkpointed(compute, index) else saved
+        layers.append(fsdp2_unit(layer, w, world, saved, kept))
+    embedding = [(spec.vocab_size, h)]
+    if spec.tie_word_embeddings:
+        return layers, fsdp2_unit(embedding + [(h, 1)], w, world)
+    head_saved = _head_saved_bytes(spec, compute, layers)
+    head = fsdp2_unit([(h, 1), (spec.vocab_size, h)], w, world, head_saved, head_saved)
+    return [head, *layers, fsdp2_unit(embedding, w, world)], None
+
+
+def _head_saved_bytes(spec: ModelSpec, compute: Workload, layers: list[Fsdp2Unit]) -> int:
+    """The final norm's saved tensors and the output lm_head keeps: the backward activations less the
+    layers' and the model-level tensors."""
+    return training_activations(spec, compute).backward - _model_level_bytes(spec, compute) - sum(
+        u.kept_bytes for u in layers)
+
+
+def _model_level_bytes(spec: ModelSpec, compute: Workload) -> int:
+    """RoPE's cos and sin and, with checkpointing, the causal mask: alive through backward."""
+    return rope_bytes(spec, compute) + checkpoint_mask_bytes(compute)
+
+
+def fsdp2_phases(spec: ModelSpec, w: Workload, layout: Layout) -> dict[str, dict[str, int]]:
+    """One rank's phases of full fine-tuning under torch FSDP2 as the launch bundle wraps the model
+    (`fully_shard` on the embedding, each decoder layer, [final norm, lm_head] and the root;
+    `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` for bf16-mixed).
+
+    Terms from torch 2.13's torch/distributed/fsdp/_fully_shard/, per rank of N, for a unit of U
+    parameters (each padded along dim 0 to N equal shards), with c, s, r the bytes of the param
+    dtype (bf16), the storage dtype (fp32 under bf16-mixed, bf16 in pure bf16) and the reduce dtype
+    (fp32 under bf16-mixed, else s):
+    - weights: the shards, s U / N (`_fsdp_param.py:305-316`: each rank stores the padded chunk);
+      they are the master weights, there is no other copy. Buffers whole.
+    - optimizer: AdamW's moments on the shards in s and a step per parameter (SGD: a momentum).
+    - gradients: r U / N per unit, the reduce-scatter output (`_fsdp_collectives.py:612`), whose views
+      become the sharded gradients (:704, :754; no cast when r = s, :696): each from its unit's
+      reduce-scatter in the first backward until `zero_grad`; with accumulation later micro-batches
+      add theirs into them (:749), so all of them live through forward and backward.
+    - weights/gathered: a unit's all-gather output, c U (`_fsdp_collectives.py:351`), and its
+      unsharded parameters copied out of it, c U (:463, `alloc_storage`, `_fsdp_param.py:1066`). In
+      forward the output lives until the next unit's copy-out (`_fsdp_param_group.py:483`, :432) or
+      the root's post-forward (`_fsdp_state.py:342`): at the loss the head's unit counts twice. In
+      backward it is freed after the copy-out (:487) and each unit's pre-backward all-gathers the
+      next (:795-830): a unit at work holds its parameters, its gradients (c U, autograd's) and the
+      next unit's all-gather output, or at its copy-out its own output and no gradient yet.
+    - gradients/reduce_scatter: the input, r U (`_fsdp_collectives.py:597`), kept after the collective
+      until the next unit's post-backward (`_fsdp_param_group.py:718`, dropped at :655). At its reduce
+      a unit is resharded (`_fsdp_param_group.py:637`) and its gradients released
+      (`_fsdp_collectives.py:606`) except the last, which the loop variable of :580 holds (lm_head's
+      for the head).
+    - activations, logits, inputs: the single-GPU engine's for the compute dtype (the policy casts the
+      weights, nothing autocasts); a unit at work also holds all of its saved set with all of its
+      gradients (an upper bound of the trade within its backward), the units below theirs.
+    Tied embeddings stay in the root's unit, gathered from the first forward to the end of backward
+    (`_fsdp_state.py:205-207`), with the tied gradient summed out of place, reduced last.
+    Left out: the shard's copy-in in the param dtype (c U / N, `_fsdp_collectives.py:419`, freed when
+    the all-gather is issued), the activation gradient between units, the collectives' own buffers
+    (NCCL's are outside PyTorch's allocator; gloo on CPU clones a reduce-scatter input).
+    """
+    units, root = fsdp2_units(spec, w, layout.dp)
+    every = units + ([root] if root else [])
+    shards = sum(u.shards_bytes for u in every)
+    grads = sum(u.grad_shard_bytes for u in every)
+    state = {"weights": shards + rope_buffer_bytes(spec), **_fsdp2_optimizer_state(w, every)}
+    base = {**state, "inputs": r512(8 * w.batch * w.seq)}
+    accumulated = grads if w.grad_accum > 1 else 0
+    compute = with_changes(w, precision=w.compute_dtype)
+    forward, loss_backward = _fsdp2_loss_moments(spec, compute, units, root, {**base, "gradients": accumulated})
+    moments = [loss_backward, *_fsdp2_unit_moments(units, root, base, accumulated, _model_level_bytes(spec, compute))]
+    if root:
+        moments += _fsdp2_root_moments(spec, w, root, base, moments[-1])
+    temporaries = shards if w.optimizer == "adamw" else 0  # foreach AdamW's sqrt, one per shard
+    return {"load": {"weights": state["weights"]}, "forward": forward,
+            "backward": max(moments, key=lambda m: sum(m.values())),
+            "optimizer": _add(state, {"gradients": grads, "temporaries": temporaries})}
+
+
+def _fsdp2_loss_moments(spec: ModelSpec, compute: Workload, units: list[Fsdp2Unit], root: Fsdp2Unit | None,
+                        base: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """The forward and the loss backward at the loss: the head's unit gathered (or the root's) with the
+    last all-gather output, which the root's post-forward frees; in backward the root's pre-backward
+    (at the loss) prefetches the top layer, while the head's comes with its output's gradient, after
+    the loss backward."""
+    activations, logits = training_activations(spec, compute), training_logits(spec, compute)
+    first = root or units[0]
+    forward = _add(base, {"weights/gathered": first.gathered_bytes + units[0].buffer_bytes,
+                          "activations": activations.forward, "logits": logits.forward_peak})
+    loss_backward = _add(base, {"weights/gathered": first.gathered_bytes + (units[0].buffer_bytes if root else 0),
+                                "activations": activations.backward, "logits": logits.backward_peak})
+    return forward, loss_backward
+
+
+def _fsdp2_optimizer_state(w: Workload, units: list[Fsdp2Unit]) -> dict[str, int]:
+    shards = sum(u.shards_bytes for u in units)
+    if w.optimizer == "sgd":
+        return {"optimizer/momentum_buffer": shards}
+    return {"optimizer/exp_avg": shards, "optimizer/exp_avg_sq": shards,
+            "optimizer/step": 512 * sum(u.tensors for u in units)}
+
+
+def _fsdp2_unit_moments(units: list[Fsdp2Unit], root: Fsdp2Unit | None, base: dict[str, int], accumulated: int,
+                        model_level_bytes: int) -> list[dict[str, int]]:
+    """Each unit's copy-out, work and reduce in backward order (fsdp2_phases), and at the end the
+    sharded gradients and the reduce-scatter input then alive (the last moment's)."""
+    held = {"weights/gathered": root.gathered_bytes, "gradients/unsharded": root.grads_bytes} if root else {}
+    done, rs_held = accumulated, 0
+    below = model_level_bytes + sum(u.kept_bytes for u in units)
+    moments = []
+    for index, u in enumerate(units):
+        prefetched = units[index + 1].buffer_bytes if index + 1 < len(units) else 0
+        below -= u.kept_bytes
+        before = _add(base, held, {"gradients": done, "gradients/reduce_scatter": rs_held,
+                                   "activations": below + u.saved_bytes})
+        if index or root:  # the untied head stays gathered from forward: no copy-out
+            moments.append(_add(before, {"weights/gathered": u.gathered_bytes + u.buffer_bytes}))
+        moments.append(_add(before, {"weights/gathered": u.gathered_bytes + prefetched,
+                                     "gradients/unsharded": u.grads_bytes}))
+        moments.append(_add(base, held, {"gradients": done + u.grad_shard_bytes, "activations": below,
+                                         "gradients/reduce_scatter": u.rs_input_bytes,
+                                         "gradients/unsharded": u.last_grad_bytes, "weights/gathered": prefetched}))
+        done += 0 if accumulated else u.grad_shard_bytes
+        rs_held = u.rs_input_bytes
+    moments.append(_add(base, {"gradients": done, "gradients/reduce_scatter": rs_held}))
+    return moments
+
+
+def _fsdp2_root_moments(spec: ModelSpec, w: Workload, root: Fsdp2Unit, base: dict[str, int],
+                        after_layers: dict[str, int]) -> list[dict[str, int]]:
+    """Tied embeddings: the embedding's backward adds its gradient to the head's out of place (three
+    V x h gradients for a moment), then the root reduces, its parameters resharded."""
+    tied = r512(DTYPE_BYTES[w.compute_dtype] * spec.vocab_size * spec.hidden_size)
+    summing = _add(after_layers, {"weights/gathered": root.gathered_bytes,
+                                  "gradients/unsharded": root.grads_bytes + 2 * tied})
+    reduce = _add(base, {"gradients": after_layers.get("gradients", 0) + root.grad_shard_bytes,
+                         "gradients/reduce_scatter": root.rs_input_bytes,
+                         "gradients/unsharded": root.last_grad_bytes})
+    return [summing, reduce]
+
+
+def _add(*parts: dict[str, int]) -> dict[str, int]:
+    """Category-wise sum of breakdowns (zero entries left out)."""
+    out: dict[str, int] = {}
+    for part in parts:
+        for key, value in part.items():
+            if value:
+                out[key] = out.get(key, 0) + value
+    return out

@@ -50,6 +50,9 @@ def layout_options(command):
                      show_default=True, help="DeepSpeed ZeRO-Offload to host memory."),
         click.option("--pp-schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True,
                      help="Pipeline schedule: micro-batches in flight on the first stage (pp, or all of them)."),
+        click.option("--engine", type=click.Choice(["deepspeed", "fsdp2"]), default="deepspeed", show_default=True,
+                     help="Who runs --sharding zero3: DeepSpeed, or torch FSDP2 (fully_shard per layer), each sized "
+                     "as it runs. Estimate only; plan sizes ZeRO-3 as DeepSpeed runs it."),
     ]
     return _apply(options, command)
 
@@ -86,7 +89,7 @@ def app():
 @app.command()
 @workload_options
 @layout_options
-def estimate(as_json, gpus, tp, pp, sharding, offload, pp_schedule, **options):
+def estimate(as_json, gpus, tp, pp, sharding, offload, pp_schedule, engine, **options):
     """How much memory a workload takes, and where it goes (analytic, no torch)."""
     from llamem.parallel import make_layout
     from llamem.reporters.json_report import report_to_dict
@@ -95,7 +98,7 @@ def estimate(as_json, gpus, tp, pp, sharding, offload, pp_schedule, **options):
 
     spec, workload, teacher, _names = resolve(**options)
     layout = make_layout(spec, workload, gpus=gpus, tp=tp, pp=pp, sharding=sharding, offload=offload,
-                         pp_schedule=pp_schedule)
+                         pp_schedule=pp_schedule, engine=engine)
     report = estimate_report(spec, workload, layout, teacher)
     click.echo(json.dumps(report_to_dict(report), indent=2) if as_json else render_report(report))
 
