@@ -274,7 +274,7 @@ def test_plan_emit_writes_the_bundle_of_the_planned_configuration(config_path, t
                  "--emit", str(tmp_path / "one")])
     out = capsys.readouterr().out
     assert code == 0
-    assert out.splitlines()[-1] == (f"bundle: {tmp_path / 'one'}/ (README.md, config.json, launch.sh, train.py); "
+    assert out.splitlines()[-1] == (f"bundle: {tmp_path / 'one'}/ (README.md, config.json, launch.sh, slurm.sbatch, train.py); "
                                     f"bash {tmp_path / 'one'}/launch.sh (--cpu --random-init --max-steps 2 rehearses "
                                     "it on CPU)")
     assert _plan_literal((tmp_path / "one" / "train.py").read_text())["strategy"] == "single"

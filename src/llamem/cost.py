@@ -13,8 +13,12 @@ Per step on the busiest GPU:
 - communication: data parallel all-reduce (DDP, ZeRO-1/2) moves 2·(n-1)/n of the gradients
   (bf16; for LoRA only the adapters' fp32 gradients),
   ZeRO-3/FSDP adds two all-gathers of the bf16 weights; tensor parallel moves four
-  activations per layer (2·(t-1)/t each); within a node at its interconnect, across nodes at
-  50 GB/s per GPU (400 Gb/s InfiniBand NDR); no overlap with compute is assumed;
+  activations per layer (2·(t-1)/t each); a group inside a node runs at the node's interconnect
+  (NVLink, else PCIe), a group that spans nodes at the network's rate per GPU (`Cluster`; by
+  default the card's catalog node, `gpus_per_node`, linked by 400 Gb/s InfiniBand NDR, 50 GB/s per
+  GPU). Ranks are placed as Megatron-LM places them (`llamem.cluster`): tensor parallel inside a
+  node, data parallel next (a group of t·d consecutive ranks), pipeline stages across nodes; no
+  overlap with compute is assumed;
 - pipeline bubble (p-1)/(m+p-1) on compute;
 - offload: gradients to and weights from the host over PCIe each step, and the CPU AdamW
   update at 10 GB/s of optimizer state.
@@ -25,6 +29,7 @@ compute, stragglers, data loading. The figure ranks plans; it is not a wall-cloc
 from __future__ import annotations
 
 from llamem.analytic.weights import lora_tensor_sizes
+from llamem.cluster import INFINIBAND_NDR_BYTES_PER_S, Cluster
 from llamem.dtypes import DTYPE_BYTES
 from llamem.gpus import GPU
 from llamem.model import ModelSpec
@@ -34,8 +39,8 @@ from llamem.workload import Workload
 
 MFU = 0.40
 """Model FLOP utilisation of LLaMA training with transformers: a typical figure, not a measurement."""
-INTER_NODE_BANDWIDTH = 50 * GB
-"""Bytes per second per GPU across nodes: 400 Gb/s InfiniBand NDR."""
+INTER_NODE_BANDWIDTH = INFINIBAND_NDR_BYTES_PER_S
+"""Bytes per second per GPU across nodes unless a `Cluster` says otherwise: 400 Gb/s InfiniBand NDR."""
 CPU_ADAM_BYTES_PER_S = 10 * GB
 """DeepSpeed's CPU Adam: optimizer state streamed at about 10 GB/s."""
 QLORA_DEQUANT_COST = 0.25
@@ -44,9 +49,17 @@ QUANTIZED_DECODE_COST = 0.15
 """Quantized weights dequantize during decode: assumed 15 % slower than their bytes alone."""
 
 
-def step_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
+def default_cluster(gpu: GPU) -> Cluster:
+    """Nodes of the card's catalog size (`gpu.gpus_per_node`) on InfiniBand NDR."""
+    return Cluster(gpus_per_node=gpu.gpus_per_node, inter_node_bytes_per_s=INTER_NODE_BANDWIDTH)
+
+
+def step_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU, *, cluster: Cluster | None = None) -> float:
+    """Relative seconds per optimizer step (training) or per request (inference) on `cluster`'s nodes
+    (default: `default_cluster(gpu)`)."""
+    cluster = cluster or default_cluster(gpu)
     if not w.is_training:
-        return _inference_seconds(spec, w, layout, gpu)
+        return _inference_seconds(spec, w, layout, gpu, cluster)
     # Under pipeline parallelism the accumulation steps are the pipeline's micro-batches.
     tokens = w.batch * w.seq * w.grad_accum * layout.dp
     N = spec.num_params
@@ -60,19 +73,23 @@ def step_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> floa
     if layout.pp > 1:
         m = max(layout.microbatches, 1)
         compute *= 1 + (layout.pp - 1) / (m + layout.pp - 1)
-    return compute + _communication(spec, w, layout, gpu) + _offload(spec, w, layout, gpu)
+    return compute + communication_seconds(spec, w, layout, gpu, cluster) + _offload(spec, w, layout, gpu)
 
 
-def _bandwidth(layout: Layout, gpu: GPU, group: int) -> float:
-    return gpu.interconnect_bandwidth if group <= gpu.gpus_per_node else INTER_NODE_BANDWIDTH
+def group_bandwidth(gpu: GPU, cluster: Cluster, consecutive_ranks: int) -> float:
+    """Bytes per second per GPU of a collective whose group fills `consecutive_ranks` adjacent ranks: the
+    slowest link it crosses (ring and tree all-reduces run at it)."""
+    return cluster.inter_node_bytes_per_s if cluster.spans_nodes(consecutive_ranks) else gpu.interconnect_bandwidth
 
 
-def _communication(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
+def communication_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU, cluster: Cluster) -> float:
+    """Data-parallel gradient all-reduce (and ZeRO-3's all-gathers) plus tensor-parallel activation
+    all-reduces of one step; pipeline sends are left out (one activation per micro-batch)."""
     seconds = 0.0
     n, t = layout.dp, layout.tp
     trainable = spec.num_params / (t * layout.pp)
     if n > 1:
-        bw = _bandwidth(layout, gpu, n * t)
+        bw = group_bandwidth(gpu, cluster, n * t)  # t·n consecutive ranks: Megatron's tp-dp-pp order
         # LoRA all-reduces only the adapters' gradients (fp32, as peft keeps them).
         grad_bytes = sum(lora_tensor_sizes(spec, w)) / (t * layout.pp) if w.uses_adapters else 2 * trainable
         seconds += 2 * (n - 1) / n * grad_bytes / bw
@@ -81,7 +98,7 @@ def _communication(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> fl
     if t > 1:
         activation = w.batch * w.seq * spec.hidden_size * 2
         per_layer = 4 * 2 * (t - 1) / t * activation
-        seconds += spec.num_layers / layout.pp * per_layer * w.grad_accum / _bandwidth(layout, gpu, t)
+        seconds += spec.num_layers / layout.pp * per_layer * w.grad_accum / group_bandwidth(gpu, cluster, t)
     return seconds
 
 
@@ -95,7 +112,7 @@ def _offload(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
     return traffic / gpu.pcie_bandwidth + 16 * local / CPU_ADAM_BYTES_PER_S
 
 
-def _inference_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -> float:
+def _inference_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU, cluster: Cluster) -> float:
     prefill = w.batch * w.seq * 2 * spec.num_params / (gpu.bf16_flops * MFU * layout.num_gpus)
     weight_dtype = w.quant if w.quant != "none" else w.weight_dtype
     weight_bytes = spec.num_params * DTYPE_BYTES[weight_dtype]
@@ -103,4 +120,4 @@ def _inference_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU) -
     decode = w.new_tokens * (weight_bytes + kv) / (gpu.memory_bandwidth * layout.num_gpus)
     if w.quant != "none":
         decode *= 1 + QUANTIZED_DECODE_COST
-    return prefill + decode + _communication(spec, w, layout, gpu) * w.new_tokens
+    return prefill + decode + communication_seconds(spec, w, layout, gpu, cluster) * w.new_tokens

@@ -30,11 +30,12 @@ from functools import lru_cache
 
 from llamem.cost import step_seconds
 from llamem.device import device_memory
-from llamem.errors import DoesNotFit, InvalidWorkload
+from llamem.errors import DoesNotFit, InvalidWorkload, UsageError
 from llamem.gpus import GPU
 from llamem.model import ModelSpec
 from llamem.overhead import non_torch_bytes
-from llamem.parallel import Layout, check_layout, host_bytes, per_gpu_phases, shard_spec
+from llamem.parallel import (Layout, check_layout, fsdp2_problems, host_bytes, per_gpu_phases, shard_spec,
+                             with_engine)
 from llamem.techniques import (AC_CHOICES, BY_NAME, LADDER_ORDER, LAYOUT_REASON, LAYOUT_TITLE, PREFILL_CHUNKS,
                                TRUNCATION_TIER, SearchContext, technique_variants, time_factor, workload_args)
 from llamem.units import format_gib
@@ -57,6 +58,14 @@ TENSOR_PARALLEL = (1, 2, 4, 8)
 PIPELINE_PARALLEL = (1, 2, 4, 8, 16)
 EDGE_GUESSES = 4
 """`--maximize`: analytic guesses of the edge, each below the last that failed, before bisecting."""
+ENGINES = ("any", "fsdp2", "deepspeed", "accelerate", "trainer", "megatron")
+"""`--engine`: who runs the plan. The search keeps the layouts that engine runs as `llamem plan --emit`
+writes them (`llamem.bundle.emit.choose`): fsdp2 (torchrun) runs one GPU, DDP and ZeRO-3 as FSDP2,
+sized by FSDP2's own accounting; deepspeed runs ZeRO-1/2/3 with or without offload; accelerate and
+the Trainer drive both; megatron (Megatron-LM) runs tensor and pipeline parallelism with its
+distributed optimizer (ZeRO-1) or none, as arguments only."""
+MEGATRON_PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+"""What Megatron-LM's --bf16 / --fp16 (fp32 main weights and gradients) and its default run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +124,8 @@ class Space:
     max_tier: int = 1
     model_args: tuple[str, ...] = ()
     """How `llamem estimate` names this model (a preset, or --config PATH, and --override items)."""
+    engine: str = "any"
+    """Who runs the plan (`ENGINES`)."""
 
     @property
     def context(self) -> SearchContext:
@@ -145,6 +156,9 @@ class Plan:
     verification: dict | None = None
     host_budget_bytes: int = 0
     notes: tuple[str, ...] = ()
+    engine: str = "any"
+    megatron_args: tuple[str, ...] = ()
+    """With `engine="megatron"`: the Megatron-LM arguments of the final configuration."""
 
     @property
     def relative_step_time(self) -> float:
@@ -202,6 +216,7 @@ def layout_args(layout: Layout) -> list[str]:
         parts += [f"--pp-schedule {layout.pipeline_schedule}"] if layout.pipeline_schedule != "1f1b" else []
     parts.append(f"--sharding {layout.sharding}")
     parts += [f"--offload {layout.offload}"] if layout.offload != "none" else []
+    parts += ["--engine fsdp2"] if layout.engine == "fsdp2" else []
     return parts
 
 
@@ -214,10 +229,48 @@ def layouts(space: Space, num_gpus: int, w: Workload) -> list[Layout]:
             continue
         dp = num_gpus // (tp * pp)
         for sharding, offload in _shardings(w, dp):
+            if space.engine == "deepspeed" and sharding == "none" and w.is_training:
+                sharding = "zero1"  # one GPU under DeepSpeed: ZeRO-1 of one replica holds what it holds alone
             layout = Layout(dp=dp, tp=tp, pp=pp, sharding=sharding, offload=offload)
-            if not check_layout(space.spec, layout):
+            if runs_on(space.engine, layout) and not check_layout(space.spec, layout):
                 out.append(layout)
     return out
+
+
+def runs_on(engine: str, layout: Layout) -> bool:
+    """Whether `engine` runs this layout as the bundle emits it (what no workload setting changes)."""
+    data_parallel = layout.tp == 1 and layout.pp == 1
+    fsdp2 = data_parallel and layout.offload == "none" and layout.sharding in ("none", "ddp", "zero3")
+    deepspeed = data_parallel and layout.sharding in ("zero1", "zero2", "zero3")
+    return {"any": True, "fsdp2": fsdp2, "deepspeed": deepspeed, "accelerate": fsdp2 or deepspeed,
+            "trainer": fsdp2 or deepspeed,
+            "megatron": layout.offload == "none" and layout.sharding in ("none", "ddp", "zero1")}[engine]
+
+
+def engine_layout(engine: str, layout: Layout, w: Workload) -> Layout | None:
+    """The layout as `engine` runs this workload, sized by its accounting, or None where it does not.
+    ZeRO-3 without offload is FSDP2 under torchrun and accelerate (the Trainer's too), sized by FSDP2's
+    own accounting where it covers the workload (`fsdp2_problems`); elsewhere it is not planned."""
+    if engine in ("fsdp2", "accelerate", "trainer") and layout.sharding == "zero3" and layout.offload == "none":
+        problems = fsdp2_problems(w, tp=layout.tp, pp=layout.pp, sharding=layout.sharding, offload=layout.offload)
+        return None if problems else with_engine(layout, "fsdp2")
+    if engine == "megatron" and megatron_problems(w):
+        return None
+    return layout
+
+
+def megatron_problems(w: Workload) -> list[str]:
+    """What Megatron-LM's arguments cannot express of a workload, each with the setting to change."""
+    problems = []
+    if w.task != "train":
+        problems.append(f"--engine megatron plans full training (--task train), not --task {w.task}")
+    if w.optimizer not in ("adamw", "sgd"):
+        problems.append(f"Megatron-LM runs adam and sgd, not {w.optimizer}")
+    if w.precision not in MEGATRON_PRECISIONS:
+        problems.append(f"Megatron-LM keeps fp32 main weights: --precision {', '.join(MEGATRON_PRECISIONS)}")
+    if w.quant != "none" or w.loss != "full":
+        problems.append("Megatron-LM has no quantized base or chunked loss argument")
+    return problems
 
 
 def _shardings(w: Workload, dp: int) -> list[tuple[str, str]]:
@@ -281,7 +334,10 @@ def candidates(space: Space, w: Workload, num_gpus: int, *, margin: float = SEAR
                     shaped = dataclasses.replace(w, **variant.changes, **options, batch=micro, grad_accum=accum)
                 except InvalidWorkload:
                     continue
-                c = evaluate(space, shaped, local, variant.tier, variant.numerics, margin)
+                run = engine_layout(space.engine, local, shaped)
+                if run is None:
+                    continue
+                c = evaluate(space, shaped, run, variant.tier, variant.numerics, margin)
                 yield c
                 if acceptable(space, c, rejected):
                     found = not costs_time
@@ -359,19 +415,20 @@ def maximize(space: Space, w: Workload, num_gpus: int, what: str, cap: int = 2**
     does not."""
     fixed = what == "batch"
     results: dict[int, Found] = {}
+    step = batch_step(space, w, num_gpus) if fixed else 1
 
     def fits(value: int) -> bool:
         if value not in results:
-            sized = _sized(w, what, value)
+            sized = _sized(w, what, value * step)
             results[value] = Found(best=None, closest=None, evaluated=0) if sized is None else best(
                 space, sized, num_gpus, fixed_micro_batch=fixed, closest=False)
         return results[value].best is not None
 
     def might_fit(value: int, margin: float) -> bool:
-        sized = _sized(w, what, value)
+        sized = _sized(w, what, value * step)
         return sized is not None and could_fit(space, sized, num_gpus, margin, fixed)
 
-    limit = size_limit(space.spec, w, what, cap)
+    limit = size_limit(space.spec, w, what, cap) // step
     guess = _largest(lambda v: might_fit(v, 0.0), limit)
     failed, margin = None, SEARCH_FRAGMENTATION / 2
     for _attempt in range(EDGE_GUESSES):
@@ -386,7 +443,16 @@ def maximize(space: Space, w: Workload, num_gpus: int, what: str, cap: int = 2**
         return 0, Found(best=None, closest=None, evaluated=evaluated)
     value = guess if failed is None else _bisect(fits, guess, failed)
     evaluated = sum(f.evaluated for f in results.values())
-    return value, dataclasses.replace(results[value], evaluated=evaluated)
+    return value * step, dataclasses.replace(results[value], evaluated=evaluated)
+
+
+def batch_step(space: Space, w: Workload, num_gpus: int) -> int:
+    """The global batches `--maximize batch` tries are multiples of this: 1, or under an engine whose
+    every layout replicates the model (no tensor or pipeline parallel), the fewest data-parallel
+    replicas, which a batch must divide."""
+    if space.engine == "any":
+        return 1
+    return min((layout.dp for layout in layouts(space, num_gpus, w)), default=1)
 
 
 def _sized(w: Workload, what: str, value: int) -> Workload | None:
@@ -463,12 +529,22 @@ def ladder(space: Space, start: Candidate, final: Candidate) -> tuple[Step, ...]
         current_w, current_layout, title, change, reason = moved
         layout = dataclasses.replace(current_layout, microbatches=current_w.grad_accum) if (
             current_layout.pp > 1) else current_layout
+        layout = _sizable(current_w, layout)
         c = final if (current_w, layout) == (final.workload, final.layout) else confirm(
             space, evaluate(space, current_w, layout))
         steps.append(Step(technique=title, change=change, peak_device_bytes=c.device_bytes,
                           relative_step_time=relative_time(c, start), reason=reason,
                           command=command(space, current_w, layout)))
     return tuple(steps)
+
+
+def _sizable(w: Workload, layout: Layout) -> Layout:
+    """An FSDP2-sized layout on a step of the ladder that FSDP2's accounting does not cover (its
+    optimizer or task still the start's) is sized as DeepSpeed runs it, as `llamem estimate` would."""
+    if layout.engine == "fsdp2" and fsdp2_problems(w, tp=layout.tp, pp=layout.pp, sharding=layout.sharding,
+                                                   offload=layout.offload):
+        return with_engine(layout, "deepspeed")
+    return layout
 
 
 def _record_step(name: str, current: Workload, layout: Layout, final: Workload, split: int, final_dp: int):
@@ -525,11 +601,13 @@ def _layout_step(current: Workload, layout: Layout, target: Layout):
 def make_plan(spec: ModelSpec, w: Workload, gpu: GPU, *, num_gpus: int = 1, host_budget_bytes: int,
               teacher: ModelSpec | None = None, maximize_what: str | None = None, min_gpus: bool = False,
               max_gpus: int = 1024, exact: bool = False, truncate: bool = True,
-              model_args: tuple[str, ...] = ()) -> Plan:
+              model_args: tuple[str, ...] = (), engine: str = "any") -> Plan:
     """`exact`: only changes that keep the numerics (tier 0). `truncate`: when nothing fits, shorten
-    the sequences as a last resort (not with `min_gpus`, where more GPUs are the answer)."""
+    the sequences as a last resort (not with `min_gpus`, where more GPUs are the answer). `engine`:
+    only the layouts that engine runs (`ENGINES`)."""
+    check_engine(engine, w)
     space = Space(spec=spec, gpu=gpu, host_budget_bytes=host_budget_bytes, teacher=teacher,
-                  max_tier=0 if exact else 1, model_args=model_args)
+                  max_tier=0 if exact else 1, model_args=model_args, engine=engine)
     maximized = None
     if maximize_what:
         value, found = maximize(space, w, num_gpus, maximize_what)
@@ -543,6 +621,17 @@ def make_plan(spec: ModelSpec, w: Workload, gpu: GPU, *, num_gpus: int = 1, host
             chosen, evaluated = shortened(space, w, num_gpus)
             found = Found(best=chosen, closest=found.closest, evaluated=found.evaluated + evaluated)
     return _assemble(space, w, num_gpus, found, maximized)
+
+
+def check_engine(engine: str, w: Workload) -> None:
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine}: choose one of {', '.join(ENGINES)}")
+    if engine == "deepspeed" and not w.is_training:
+        raise UsageError("--engine deepspeed plans ZeRO training; generation has no ZeRO stage to plan: use "
+                         "--engine fsdp2 or any")
+    if engine == "megatron" and w.task != "train":
+        raise UsageError(f"--engine megatron plans full training (--task train), not --task {w.task}: use "
+                         "--engine any, fsdp2, deepspeed, accelerate or trainer")
 
 
 def _search_counts(space: Space, w: Workload, num_gpus: int, max_gpus: int | None) -> tuple[Found, int]:
@@ -562,7 +651,9 @@ def _assemble(space: Space, w: Workload, num_gpus: int, found: Found, maximized:
     if final is None:
         why = " ".join(_batch_notes(space, w, num_gpus)) or (
             f"no layout of {num_gpus} GPUs suits the model's {space.spec.num_heads} heads and "
-            f"{space.spec.num_layers} layers: try another --gpus")
+            f"{space.spec.num_layers} layers: try another --gpus") if space.engine == "any" else (
+            f"no layout of {num_gpus} GPUs that --engine {space.engine} runs suits this workload: try another "
+            "--engine or --gpus")
         raise DoesNotFit(f"no configuration of {space.spec.name} can run on {num_gpus} x {space.gpu.name}: {why}")
     start = _start(space, w, num_gpus, final, maximized)
     notes = _batch_notes(space, w, num_gpus)
@@ -571,11 +662,43 @@ def _assemble(space: Space, w: Workload, num_gpus: int, found: Found, maximized:
                      f"(budget {format_gib(space.host_budget_bytes)}, set with --host-memory)")
     if found.best is not None and final.tier >= TRUNCATION_TIER:
         notes.append(_truncation_note(w, final.workload))
+    notes += _engine_notes(space.engine)
     notes.append(f"{found.evaluated} configurations evaluated")
     return Plan(model=space.spec, gpu=space.gpu, num_gpus=num_gpus, fits=found.best is not None, start=start,
                 final=final, steps=ladder(space, start, final), command=command(space, final.workload, final.layout),
                 shortfall_bytes=0 if found.best else excess(space, final), maximized=maximized,
-                host_budget_bytes=space.host_budget_bytes, notes=tuple(notes))
+                host_budget_bytes=space.host_budget_bytes, notes=tuple(notes), engine=space.engine,
+                megatron_args=megatron_args(space.spec, final) if space.engine == "megatron" else ())
+
+
+def _engine_notes(engine: str) -> list[str]:
+    if engine == "megatron":
+        return ["llamem sizes Megatron-LM with its own tensor/pipeline-parallel accounting and emits Megatron-LM "
+                "arguments only (no launch bundle): pass them to pretrain_gpt.py with your model's architecture "
+                "arguments"]
+    if engine in ("accelerate", "trainer"):
+        return [f"{engine} runs ZeRO-3 without offload as FSDP2 (sized by FSDP2's accounting) and ZeRO-1/2 and "
+                "offload with DeepSpeed"]
+    return []
+
+
+def megatron_args(spec: ModelSpec, c: Candidate) -> tuple[str, ...]:
+    """Megatron-LM's arguments for a configuration: its parallelism, batch, sequence, precision and
+    recomputation. llamem's every-K checkpointing keeps one layer in K as a checkpoint and the rest
+    whole: Megatron's block method with that many layers per stage keeps the same activations
+    (uniform groups of K would recompute every layer)."""
+    w, layout = c.workload, c.layout
+    args = [f"--tensor-model-parallel-size {layout.tp}", f"--pipeline-model-parallel-size {layout.pp}"]
+    if w.ac_every == 1:
+        args.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    elif w.ac_every > 1:
+        checkpointed = -(-shard_spec(spec, layout).num_layers // w.ac_every)
+        args.append(f"--recompute-granularity full --recompute-method block --recompute-num-layers {checkpointed}")
+    args += ["--use-distributed-optimizer"] if layout.sharding == "zero1" else []
+    args += [f"--micro-batch-size {w.batch}", f"--global-batch-size {w.batch * w.grad_accum * layout.dp}",
+             f"--seq-length {w.seq}"]
+    args += {"bf16-mixed": ["--bf16"], "fp16-mixed": ["--fp16"]}.get(w.precision, [])
+    return tuple(args)
 
 
 def _start(space: Space, w: Workload, num_gpus: int, reference: Candidate, maximized: dict | None) -> Candidate:
@@ -623,5 +746,5 @@ def does_not_fit(plan: Plan) -> DoesNotFit:
                       "or a smaller batch or sequence", best_plan=plan, shortfall_bytes=plan.shortfall_bytes)
 
 
-__all__ = ["make_plan", "Plan", "Candidate", "Step", "Space", "Found", "best", "maximize", "confirm", "evaluate",
-           "command", "does_not_fit", "split_factor"]
+__all__ = ["ENGINES", "make_plan", "Plan", "Candidate", "Step", "Space", "Found", "best", "maximize", "confirm",
+           "evaluate", "command", "does_not_fit", "split_factor", "megatron_args"]

@@ -24,6 +24,7 @@ from llamem.bundle.deepspeed import LEARNING_RATE, MAX_GRAD_NORM, OPTIMIZERS, ds
 from llamem.bundle.launch import Processes, launch_script
 from llamem.bundle.readme import readme
 from llamem.bundle.script import train_script
+from llamem.bundle.slurm import slurm_script
 from llamem.errors import LlamemError
 from llamem.gpus import GPU
 from llamem.model import ModelSpec
@@ -65,6 +66,7 @@ def emit_bundle(plan: Plan, directory: str | os.PathLike, *, engine: str = "any"
     title = f"{plan.model.name}: {layout.describe()} on {plan.num_gpus} x {plan.gpu.name}, planned by llamem"
     files = {"train.py": train_script(w, settings, title),
              "launch.sh": launch_script(launcher=launcher, processes=processes, title=title, unsupported=unsupported),
+             "slurm.sbatch": slurm_script(launcher=launcher, processes=processes, title=title),
              "config.json": json.dumps(hf_config_dict(plan.model), indent=2) + "\n"}
     if strategy == "deepspeed" and not unsupported:
         files["ds_config.json"] = json.dumps(ds_config(w, layout, plan.model.hidden_size), indent=2) + "\n"
@@ -82,11 +84,20 @@ def emit_bundle(plan: Plan, directory: str | os.PathLike, *, engine: str = "any"
                   unsupported=unsupported)
 
 
-def emit_for_cli(plan: Plan, directory: str | os.PathLike) -> str:
-    """`llamem plan --emit DIR`: the bundle of a plan that fits, and the line that says what was written."""
+PLAN_ENGINES = {"any": "any", "fsdp2": "torchrun", "deepspeed": "deepspeed", "accelerate": "accelerate",
+                "trainer": "accelerate"}
+"""`llamem plan --engine` -> the bundle's engine. The Trainer runs on accelerate: its bundle is accelerate's."""
+
+
+def emit_for_cli(plan: Plan, directory: str | os.PathLike, engine: str = "any") -> str:
+    """`llamem plan --emit DIR`: the bundle of a plan that fits, and the line that says what was written.
+    `engine` is the plan's `--engine` (`PLAN_ENGINES`); Megatron-LM gets arguments, not a bundle."""
     if not plan.fits:
         return f"no bundle written to {directory}: the plan does not fit"
-    bundle = emit_bundle(plan, directory)
+    if engine == "megatron":
+        return (f"no bundle written to {directory}: llamem emits Megatron-LM arguments only (above), "
+                "not a launch bundle")
+    bundle = emit_bundle(plan, directory, engine=PLAN_ENGINES[engine])
     line = f"bundle: {bundle.directory}/ ({', '.join(bundle.files)}); "
     if bundle.unsupported:
         return line + f"launch.sh refuses to run it: {bundle.unsupported}"

@@ -44,6 +44,7 @@ FILE_TEXT = {
     "train.py": "the training loop: the plan's settings (`PLAN`), the model as `llamem plan --code` loads it, "
                 "the strategy, random token ids",
     "launch.sh": "starts one process per GPU",
+    "slurm.sbatch": "runs launch.sh on every node of a Slurm job (`sbatch slurm.sbatch`)",
     "config.json": "the model's config, which `--random-init` builds it from",
     "ds_config.json": "DeepSpeed's config: ZeRO stage, offload, precision, batch, clipping, optimizer",
     "accelerate.yaml": "accelerate's config (`accelerate launch --config_file accelerate.yaml`)",
@@ -72,7 +73,9 @@ def _launch_section(plan: Plan, strategy: str, launcher: str, processes: Process
     figure, command, agreement = plan.final.allocated_bytes, plan.command, strategy
     fsdp2 = fsdp2_allocated_bytes(plan) if strategy == "fsdp2" else None
     if fsdp2 is not None:
-        figure, command, agreement = fsdp2, f"{plan.command} --engine fsdp2", "fsdp2-sized"
+        # A plan made with --engine fsdp2 says so already; one made with `any` is re-sized here.
+        sized = plan.command if "--engine fsdp2" in plan.command else f"{plan.command} --engine fsdp2"
+        figure, command, agreement = fsdp2, sized, "fsdp2-sized"
     several = ("NNODES=2 NODE_RANK=0 MASTER_ADDR=<node 0's address> MASTER_PORT=29500 bash launch.sh   "
                "# on node 0; NODE_RANK=1 on node 1, ...")
     lines = ["## Launch", "", f"With {launcher} ({STRATEGY_TEXT[strategy]}), {processes.per_node} process"
@@ -84,6 +87,7 @@ def _launch_section(plan: Plan, strategy: str, launcher: str, processes: Process
     if launcher == "deepspeed":
         lines += ["Across nodes the DeepSpeed launcher also needs `HOSTFILE`: a file with one line per node, "
                   f"`hostname slots={processes.per_node}`.", ""]
+    lines += _slurm_lines(launcher, processes)
     if plan.final.layout.offload != "none":
         lines += ["With optimizer offload DeepSpeed steps the optimizer on the host with its CPU Adam, a C++ op it "
                   "compiles on first use (a compiler and ninja are needed; `DS_BUILD_CPU_ADAM=1 pip install "
@@ -101,6 +105,15 @@ def _launch_section(plan: Plan, strategy: str, launcher: str, processes: Process
         lines += ["accelerate shards nothing on CPU (it falls back to MULTI_CPU data parallel), so `--cpu` runs "
                   f"the same layout with {strategy} directly, under torchrun.", ""]
     return lines
+
+
+def _slurm_lines(launcher: str, processes: Processes) -> list[str]:
+    hostfile = " and writes the DeepSpeed `HOSTFILE` from the job's nodes" if launcher == "deepspeed" else ""
+    return [f"On Slurm, from this folder: `sbatch slurm.sbatch` asks for {processes.nodes} node"
+            f"{'s' if processes.nodes > 1 else ''} of {processes.per_node} GPU{'s' if processes.per_node > 1 else ''} "
+            "and runs `launch.sh` once on each (`srun`, one task per node). It sets NNODES from SLURM_NNODES, "
+            "MASTER_ADDR to the first host of `scontrol show hostnames`, NODE_RANK from SLURM_NODEID"
+            f"{hostfile}; arguments after `slurm.sbatch` go to train.py.", ""]
 
 
 def fsdp2_allocated_bytes(plan: Plan) -> int | None:

@@ -7,6 +7,7 @@ out-of-memory error. With `--json`, an error is printed on stdout as
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shlex
@@ -57,6 +58,34 @@ def layout_options(command):
     return _apply(options, command)
 
 
+def node_options(command):
+    """--nodes and --gpus-per-node (estimate and plan): the GPUs as whole nodes."""
+    options = [
+        click.option("--nodes", type=int, help="Nodes: the GPUs are --nodes x --gpus-per-node (then --gpus may "
+                     "be left out)."),
+        click.option("--gpus-per-node", type=int, help="GPUs in one node: collectives over more run on the network "
+                     "between nodes; tensor parallel stays in a node.  [default: plan, the card's node; estimate, "
+                     "one node]"),
+    ]
+    return _apply(options, command)
+
+
+def node_gpus(gpus: int, nodes: int | None, gpus_per_node: int | None,
+              default_per_node: int | None = None) -> tuple[int, int | None]:
+    """(total GPUs, GPUs per node or None) from --gpus, --nodes and --gpus-per-node, which must agree."""
+    from click.core import ParameterSource
+
+    from llamem.cluster import resolve_gpus
+    from llamem.parallel import MAX_GPUS
+
+    given = click.get_current_context().get_parameter_source("gpus") is not ParameterSource.DEFAULT
+    total, per_node = resolve_gpus(gpus=gpus, gpus_given=given, nodes=nodes, gpus_per_node=gpus_per_node,
+                                   default_per_node=default_per_node)
+    if total > MAX_GPUS:
+        raise UsageError(f"--nodes {nodes} x --gpus-per-node {per_node} = {total:,} GPUs: at most {MAX_GPUS:,}")
+    return total, per_node
+
+
 def resolve(model, config_path, overrides, task, ac_every, lora_targets, **options):
     """ModelSpec, Workload and teacher from the shared options, and the arguments that name the model
     in a reproduce command."""
@@ -89,13 +118,21 @@ def app():
 @app.command()
 @workload_options
 @layout_options
-def estimate(as_json, gpus, tp, pp, sharding, offload, pp_schedule, engine, **options):
+@node_options
+def estimate(as_json, gpus, tp, pp, sharding, offload, pp_schedule, engine, nodes, gpus_per_node, **options):
     """How much memory a workload takes, and where it goes (analytic, no torch)."""
     from llamem.parallel import make_layout
     from llamem.reporters.json_report import report_to_dict
     from llamem.reporters.text import render_report
     from llamem.sizing import estimate_report
 
+    gpus, per_node = node_gpus(gpus, nodes, gpus_per_node)
+    if per_node:
+        from llamem.cluster import Cluster, placement_problems
+        from llamem.errors import InvalidWorkload
+
+        if problems := placement_problems(tp=tp, cluster=Cluster(gpus_per_node=per_node)):
+            raise InvalidWorkload(problems)
     spec, workload, teacher, _names = resolve(**options)
     layout = make_layout(spec, workload, gpus=gpus, tp=tp, pp=pp, sharding=sharding, offload=offload,
                          pp_schedule=pp_schedule, engine=engine)
@@ -136,8 +173,13 @@ def trace(as_json, save_trace, **options):
 @click.option("--code", "show_code", is_flag=True, help="Also print the transformers / peft code that applies the plan.")
 @click.option("--emit", "emit_dir", metavar="DIR", help="Write a launch bundle of the plan into DIR: train.py, "
               "launch.sh (torchrun / DeepSpeed), configs, README.")
+@click.option("--engine", type=click.Choice(["any", "fsdp2", "deepspeed", "accelerate", "trainer", "megatron"]),
+              default="any", show_default=True, help="Only layouts this engine runs: fsdp2 (torchrun: DDP, FSDP2), "
+              "deepspeed (ZeRO-1/2/3, offload), accelerate or trainer (both), megatron (TP, PP, distributed "
+              "optimizer; prints Megatron-LM arguments, no bundle).")
+@node_options
 def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verify, exact, no_truncation, show_code,
-         emit_dir, **options):
+         emit_dir, engine, nodes, gpus_per_node, **options):
     """The cheapest set of changes that fits a GPU: a ladder, and the command that reproduces it.
     With several GPUs, --batch x --grad-accum is the global batch per optimizer step."""
     from llamem.gpus import budget_gpu, get_gpu
@@ -154,10 +196,13 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
         raise LlamemError(f"--gpus must be from 1 to {MAX_GPUS:,}, got {gpus}")
     spec, workload, teacher, names = resolve(**options)
     gpu = get_gpu(gpu_name) if gpu_name else budget_gpu(parse_size(budget, "--budget"))
+    gpus, per_node = node_gpus(gpus, nodes, gpus_per_node, default_per_node=gpu.gpus_per_node)
+    if per_node:  # the planner, its cost model and the bundle place ranks on nodes of the card's gpus_per_node
+        gpu = dataclasses.replace(gpu, gpus_per_node=per_node)
     host = parse_size(host_memory, "--host-memory") if host_memory else default_host_memory_bytes()
     result = make_plan(spec, workload, gpu, num_gpus=gpus, host_budget_bytes=host, teacher=teacher,
                        maximize_what=maximize, min_gpus=min_gpus, exact=exact, truncate=not no_truncation,
-                       model_args=names)
+                       model_args=names, engine=engine)
     if verify and result.fits:
         from llamem.plan_verify import verify_plan
 
@@ -166,7 +211,7 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
     if emit_dir:
         from llamem.bundle.emit import emit_for_cli
 
-        click.echo(emit_for_cli(result, emit_dir), err=as_json)
+        click.echo(emit_for_cli(result, emit_dir, engine=engine), err=as_json)
     if not result.fits:
         if as_json:  # the plan's JSON says so ("fits": false, "shortfall_bytes"): one document on stdout
             click.echo(f"error: {does_not_fit(result)}", err=True)

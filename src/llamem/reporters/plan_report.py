@@ -39,6 +39,10 @@ def plan_to_dict(plan: Plan) -> dict:
         out["maximized"] = plan.maximized
     if plan.verification:
         out["verification"] = plan.verification
+    if plan.engine != "any":
+        out["engine"] = plan.engine
+    if plan.megatron_args:
+        out["final"]["megatron_args"] = list(plan.megatron_args)
     return out
 
 
@@ -66,6 +70,8 @@ def render_plan(plan: Plan, show_code: bool = False) -> str:
         lines.append(f"largest {plan.maximized['what']} that fits: {plan.maximized['value']}")
     lines += _verification_lines(plan.verification, format_gib)
     lines.append(f"reproduce: {plan.command}")
+    if plan.megatron_args:
+        lines.append(f"megatron-lm: {' '.join(plan.megatron_args)}")
     lines += [f"note: {note}" for note in plan.notes]
     if show_code and plan.fits:
         lines += ["", "code:", plan_code(plan).rstrip("\n")]
