@@ -296,3 +296,27 @@ def test_writing_a_bundle_needs_no_torch():
     out = subprocess.run([sys.executable, "-c", "import sys, llamem.bundle; print('torch' in sys.modules)"],
                          capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_emit_refuses_folders_it_did_not_write(tmp_path):
+    """--emit never overwrites files it did not write: a folder holding others is refused (`/` too),
+    an empty one or one an earlier --emit wrote is used; an empty name is a usage error."""
+    from llamem.bundle.emit import MARKER, _folder, shown_path
+    from llamem.errors import LlamemError, UsageError
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "train.py").write_text("keep")
+    for folder in (other, tmp_path.anchor):
+        with pytest.raises(LlamemError, match="holds files llamem did not write"):
+            _folder(folder)
+    assert (other / "train.py").read_text() == "keep"
+    assert _folder(tmp_path / "new") == tmp_path / "new" and (tmp_path / "new" / MARKER).exists()
+    (tmp_path / "new" / "README.md").write_text("an earlier bundle")
+    assert _folder(tmp_path / "new") == tmp_path / "new"
+    with pytest.raises(UsageError, match="--emit needs a folder name"):
+        _folder("")
+    with pytest.raises(LlamemError, match="name too long; choose another folder"):
+        _folder(tmp_path / ("a" * 300))
+    assert shown_path("odd dir $(x)") == "'odd dir $(x)'"
+    assert shown_path("ctl\x1b[31m") == "'ctl\\x1b[31m'"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from llamem.bundle.launch import Processes, launch_script
 from llamem.bundle.readme import readme
 from llamem.bundle.script import train_script
 from llamem.bundle.slurm import slurm_script
-from llamem.errors import LlamemError
+from llamem.errors import LlamemError, UsageError
 from llamem.gpus import GPU
 from llamem.model import ModelSpec
 from llamem.parallel import Layout
@@ -98,25 +99,46 @@ def emit_for_cli(plan: Plan, directory: str | os.PathLike, engine: str = "any") 
         return (f"no bundle written to {directory}: llamem emits Megatron-LM arguments only (above), "
                 "not a launch bundle")
     bundle = emit_bundle(plan, directory, engine=PLAN_ENGINES[engine])
-    line = f"bundle: {bundle.directory}/ ({', '.join(bundle.files)}); "
+    line = f"bundle: {shown_path(bundle.directory)}/ ({', '.join(bundle.files)}); "
     if bundle.unsupported:
         return line + f"launch.sh refuses to run it: {bundle.unsupported}"
-    return line + f"bash {bundle.directory}/launch.sh (--cpu --random-init --max-steps 2 rehearses it on CPU)"
+    return line + f"bash {shown_path(bundle.directory / 'launch.sh')} (--cpu --random-init --max-steps 2 rehearses it on CPU)"
+
+
+MARKER = ".llamem-bundle"
+"""Written in every bundle folder: a folder holding it may be written again; any other non-empty
+folder is refused, so `--emit` never overwrites files it did not write (or fills `/`)."""
 
 
 def _folder(directory: str | os.PathLike) -> Path:
+    if not str(directory):
+        raise UsageError("--emit needs a folder name, e.g. --emit bundle")
     folder = Path(directory)
     if "\0" in str(folder):
         raise LlamemError(f"--emit {str(folder)!r}: a path cannot hold a NUL character")
-    if folder.exists() and not folder.is_dir():
-        raise LlamemError(f"--emit {folder}: is a file; give a folder (it is created if needed)")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise LlamemError(f"--emit {folder}: cannot create it ({err.strerror or err}); choose another folder") from None
+        return _usable_folder(folder)
+    except OSError as err:  # a name too long for the file system, a loop of links, ...
+        raise LlamemError(f"--emit {shown_path(folder)}: {err.strerror or err}; choose another folder") from None
+
+
+def _usable_folder(folder: Path) -> Path:
+    if folder.exists() and not folder.is_dir():
+        raise LlamemError(f"--emit {shown_path(folder)}: is a file; give a folder (it is created if needed)")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / MARKER).exists():
+        raise LlamemError(f"--emit {shown_path(folder)}: the folder holds files llamem did not write; give a new or "
+                          "empty folder (a folder an earlier --emit wrote may be written again)")
+    folder.mkdir(parents=True, exist_ok=True)
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise LlamemError(f"--emit {folder}: cannot write in it as this user; choose another folder")
+        raise LlamemError(f"--emit {shown_path(folder)}: cannot write in it as this user; choose another folder")
+    (folder / MARKER).write_text("written by llamem plan --emit; llamem may replace the files of this folder\n")
     return folder
+
+
+def shown_path(path) -> str:
+    """A path as a shell reads it back: quoted, and escaped where it holds control characters."""
+    text = str(path)
+    return shlex.quote(text) if text.isprintable() else ascii(text)
 
 
 def choose(layout: Layout, engine: str) -> tuple[str, str]:

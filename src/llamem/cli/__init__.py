@@ -53,7 +53,7 @@ def layout_options(command):
                      help="Pipeline schedule: micro-batches in flight on the first stage (pp, or all of them)."),
         click.option("--engine", type=click.Choice(["deepspeed", "fsdp2"]), default="deepspeed", show_default=True,
                      help="Who runs --sharding zero3: DeepSpeed, or torch FSDP2 (fully_shard per layer), each sized "
-                     "as it runs. Estimate only; plan sizes ZeRO-3 as DeepSpeed runs it."),
+                     "as it runs (plan --engine fsdp2 chooses FSDP2)."),
     ]
     return _apply(options, command)
 
@@ -208,7 +208,7 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
 
         result = verify_plan(result)
     click.echo(json.dumps(plan_to_dict(result), indent=2) if as_json else render_plan(result, show_code=show_code))
-    if emit_dir:
+    if emit_dir is not None:
         from llamem.bundle.emit import emit_for_cli
 
         click.echo(emit_for_cli(result, emit_dir, engine=engine), err=as_json)
