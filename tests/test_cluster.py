@@ -152,3 +152,14 @@ def test_the_slurm_job_starts_torchrun_on_every_node_with_its_rank(bundle, tmp_p
     assert out.splitlines() == [
         f"NODE_RANK={rank} --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node-a:29500 "
         "train.py --max-steps 2" for rank in (0, 1)]
+
+
+def test_min_gpus_and_nodes_together_are_a_usage_error():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "llamem", "plan", "llama-3.1-8b", "--gpu", "h100-80gb", "--task",
+                          "train", "--batch", "8", "--nodes", "2", "--gpus-per-node", "4", "--min-gpus"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "--min-gpus chooses the number of GPUs, --nodes 2 fixes it: drop one of the two" in run.stderr + run.stdout

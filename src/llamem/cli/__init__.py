@@ -196,6 +196,9 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
         raise LlamemError(f"--gpus must be from 1 to {MAX_GPUS:,}, got {gpus}")
     spec, workload, teacher, names = resolve(**options)
     gpu = get_gpu(gpu_name) if gpu_name else budget_gpu(parse_size(budget, "--budget"))
+    if min_gpus and nodes is not None:
+        raise UsageError(f"--min-gpus chooses the number of GPUs, --nodes {nodes} fixes it: drop one of the two "
+                         "(--gpus-per-node alone sets the node size --min-gpus plans on)")
     gpus, per_node = node_gpus(gpus, nodes, gpus_per_node, default_per_node=gpu.gpus_per_node)
     if per_node:  # the planner, its cost model and the bundle place ranks on nodes of the card's gpus_per_node
         gpu = dataclasses.replace(gpu, gpus_per_node=per_node)
