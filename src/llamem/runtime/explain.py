@@ -25,6 +25,7 @@ from pathlib import Path
 from llamem.errors import LlamemError
 from llamem.runtime.checked import (MAX_COUNT, DumpError, checked_dict, checked_int, checked_str,
                                     read_json, shown)
+from llamem.runtime.sources import STAT_KEYS
 from llamem.units import MAX_SIZE_BYTES
 
 LIVE_ORDER = ("weights", "gradients", "optimizer state", "activations", "logits", "KV cache", "other/temporaries",
@@ -114,12 +115,6 @@ def check_record(record: dict, where: str) -> dict:
         raise DumpError(f"{where}: 'unknown' must be a list of strings, got {shown(unknown)}")
     out["unknown"] = unknown
     return out
-
-
-STAT_KEYS = ("allocated_bytes", "reserved_bytes", "active_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-             "num_alloc_retries", "num_ooms", "nvml_used_bytes", "non_torch_bytes", "capacity_bytes")
-"""`llamem.runtime.sources.STAT_KEYS`, repeated here because that module imports torch and reading a
-dump needs none."""
 
 
 def _check_stats(stats: dict, where: str) -> dict:

@@ -9,9 +9,12 @@ nvml_used_bytes and non_torch_bytes (None where NVML is absent), capacity_bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llamem.measure import nvml_used_bytes
-from llamem.runtime.tracker import CpuMemoryTracker
+
+if TYPE_CHECKING:  # the tracker imports torch; this module's keys are read without it
+    from llamem.runtime.tracker import CpuMemoryTracker
 
 STAT_KEYS = ("allocated_bytes", "reserved_bytes", "active_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
              "num_alloc_retries", "num_ooms", "nvml_used_bytes", "non_torch_bytes", "capacity_bytes")
