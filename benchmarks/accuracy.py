@@ -62,7 +62,126 @@ def matrix() -> list[tuple[str, dict]]:
         ]
     rows += [("debug", dict(task="distill", teacher="debug", batch=1, seq=256)),
              ("llama-3.2-1b", dict(task="distill", teacher="llama-3.2-3b", batch=1, seq=256))]
+    rows += selective_rows()
+    rows += family_rows()
+    rows += optimizer_rows()
+    rows += compile_rows()
     return rows
+
+
+def compile_rows() -> list[tuple[str, dict]]:
+    """`--compile` (AOT autograd's partitioner, inductor's fusion: `llamem.trace.compiled`) over
+    bf16-mixed and pure bf16 training, LoRA and QLoRA, with and without checkpointing and the
+    chunked loss. The two debug rows join the CI subset."""
+    rows = [("debug", dict(task="train", batch=1, seq=512)), ("debug", dict(task="lora", batch=2, seq=256))]
+    # Shapes large enough that the peak falls in forward or backward, not in the optimizer step.
+    rows += [(m, dict(task=t, **o)) for m, t, o in (
+        ("tinyllama-1.1b", "train", dict(batch=2, seq=2048)),
+        ("tinyllama-1.1b", "train", dict(precision="bf16", batch=2, seq=2048)),
+        ("tinyllama-1.1b", "lora", dict(batch=2, seq=1024)),
+        ("tinyllama-1.1b", "qlora", dict(batch=1, seq=1024)),
+        ("tinyllama-1.1b", "train", dict(ac_every=1, batch=2, seq=4096)),
+        ("tinyllama-1.1b", "train", dict(loss="chunked", batch=2, seq=4096)),
+        ("llama-3.2-1b", "train", dict(batch=1, seq=2048)),
+        ("llama-3.2-1b", "train", dict(precision="bf16", batch=1, seq=2048)),
+        ("llama-3.2-1b", "lora", dict(batch=1, seq=1024)),
+        ("llama-3.2-1b", "qlora", dict(batch=1, seq=1024)),
+        ("llama-3.2-1b", "lora", dict(ac_every=1, batch=1, seq=1024)),
+        ("llama-3.2-1b", "train", dict(ac_every=2, batch=1, seq=2048)),
+        ("llama-3.2-1b", "train", dict(precision="bf16", ac_every=1, batch=1, seq=2048)),
+        ("llama-3.2-1b", "train", dict(precision="bf16", loss="chunked", batch=2, seq=2048)),
+        ("llama-3.2-1b", "qlora", dict(loss="chunked", batch=1, seq=1024)),
+        ("llama-2-7b", "train", dict(precision="bf16", batch=2, seq=4096)),
+        ("llama-2-7b", "lora", dict(batch=1, seq=1024)),
+        ("llama-2-7b", "qlora", dict(ac_every=1, batch=1, seq=1024)),
+        ("llama-3.1-8b", "train", dict(batch=2, seq=4096)),
+        ("llama-3.1-8b", "train", dict(precision="bf16", ac_every=1, batch=2, seq=4096)),
+        ("llama-3.1-8b", "lora", dict(loss="chunked", batch=1, seq=1024)),
+        ("llama-3.1-8b", "qlora", dict(batch=1, seq=1024)),
+    )]
+    return [(model, {**options, "compile": True}) for model, options in rows]
+
+
+def optimizer_rows() -> list[tuple[str, dict]]:
+    """AdamW's three steps, clipping, the optimizer step in backward and Liger's fused linear
+    cross-entropy (emulated in the trace: it needs Triton on a GPU), on an untied and a tied head."""
+    rows: list[tuple[str, dict]] = [("debug", dict(task="train", optimizer="adamw-fused", batch=1, seq=256)),
+                                    ("debug", dict(task="train", liger=True, optimizer_in_backward=True, batch=1,
+                                                   seq=256))]
+    for model in ("tinyllama-1.1b", "llama-3.2-1b"):
+        rows += [
+            (model, dict(task="train", optimizer="adamw-fused", batch=1, seq=256)),
+            (model, dict(task="train", precision="bf16", optimizer="adamw-loop", batch=1, seq=256)),
+            (model, dict(task="train", optimizer="sgd", max_grad_norm=0.0, batch=1, seq=256)),
+            (model, dict(task="train", optimizer_in_backward=True, batch=1, seq=256)),
+            (model, dict(task="train", precision="bf16", optimizer="adamw-loop", optimizer_in_backward=True,
+                         batch=1, seq=256)),
+            (model, dict(task="train", optimizer="adamw-fused", ac_every=1, optimizer_in_backward=True, batch=1,
+                         seq=512)),
+            (model, dict(task="train", liger=True, batch=1, seq=1024)),
+            (model, dict(task="train", precision="bf16", liger=True, batch=2, seq=512)),
+            (model, dict(task="lora", liger=True, batch=1, seq=1024)),
+            (model, dict(task="train", liger=True, optimizer="adamw-fused", optimizer_in_backward=True, batch=1,
+                         seq=512)),
+        ]
+    rows.append(("llama-3.1-8b", dict(task="lora", optimizer="adamw-fused", liger=True, batch=1, seq=1024)))
+    return rows
+
+
+# The LLaMA-family kin the analytic engine sizes: 2 layers each, as above. Mistral 7B's window is cut to
+# 256 tokens so that sequences of 1024 run past it (training masks, the decode cache keeps 255 + 1).
+FAMILY_MODELS = {
+    "qwen2.5-7b": {"num_hidden_layers": 2},
+    "qwen3-8b": {"num_hidden_layers": 2},
+    "mistral-7b-v0.1": {"num_hidden_layers": 2, "sliding_window": 256},
+    "mistral-nemo-12b": {"num_hidden_layers": 2},
+    "deepseek-r1-distill-llama-8b": {"num_hidden_layers": 2},
+}
+
+
+def family_rows() -> list[tuple[str, dict]]:
+    """Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorms, head_dim 128 apart from hidden / heads), Mistral's sliding
+    window in training and in the KV cache, Mistral-NeMo's decoupled head_dim, a DeepSeek-R1 distill."""
+    rows = []
+    for model in ("qwen2.5-7b", "qwen3-8b", "mistral-7b-v0.1", "mistral-nemo-12b"):
+        rows += [
+            (model, dict(task="train", batch=1, seq=1024)),
+            (model, dict(task="train", precision="bf16", batch=2, seq=512)),
+            (model, dict(task="lora", batch=2, seq=1024)),
+            (model, dict(task="qlora", batch=1, seq=1024)),
+            # SGD keeps no state, so these peak in backward, where the saved activations are.
+            (model, dict(task="train", precision="bf16", optimizer="sgd", batch=2, seq=2048)),
+            (model, dict(task="train", precision="bf16", optimizer="sgd", ac_every=1, batch=4, seq=2048)),
+            (model, dict(task="infer", batch=2, seq=1024, new_tokens=4)),
+        ]
+    rows += [("mistral-7b-v0.1", dict(task="infer", batch=1, seq=1000, new_tokens=3, prefill_chunk=300)),
+             ("mistral-7b-v0.1", dict(task="train", attn="eager", batch=1, seq=512)),
+             ("qwen3-8b", dict(task="train", attn="eager", batch=1, seq=512)),
+             ("qwen3-8b", dict(task="train", optimizer="adafactor", batch=1, seq=512)),  # norm and bias vectors
+             ("deepseek-r1-distill-llama-8b", dict(task="lora", batch=1, seq=2048))]
+    return rows
+
+
+def selective_rows() -> list[tuple[str, dict]]:
+    """Selective activation checkpointing (torchtitan's per-op policy) on every layer and on every 2nd
+    (with 2 layers: layer 0 selective, layer 1 whole), at shapes where activations make the backward
+    the peak (the rows that peak in the optimizer step check the other phases by category). The two
+    debug rows join the CI subset."""
+    every_layer, every_2 = dict(ac_every=1, ac_mode="selective"), dict(ac_every=2, ac_mode="selective")
+    return [
+        ("debug", dict(task="train", precision="bf16", batch=2, seq=1024, **every_layer)),
+        ("debug", dict(task="lora", batch=2, seq=1024, **every_2)),
+        ("tinyllama-1.1b", dict(task="train", batch=2, seq=4096, **every_layer)),
+        ("tinyllama-1.1b", dict(task="train", precision="bf16", batch=2, seq=1024, **every_2)),
+        ("llama-3.2-1b", dict(task="train", batch=1, seq=2048, **every_layer)),
+        ("llama-3.2-1b", dict(task="lora", batch=2, seq=2048, **every_layer)),
+        ("llama-3.2-1b", dict(task="qlora", batch=1, seq=2048, **every_2)),
+        ("llama-2-7b", dict(task="train", precision="bf16", batch=2, seq=4096, **every_layer)),
+        ("llama-2-7b", dict(task="qlora", batch=1, seq=2048, **every_layer)),
+        ("llama-3.1-8b", dict(task="train", precision="bf16", batch=2, seq=4096, **every_2)),
+        ("llama-3.1-8b", dict(task="lora", batch=1, seq=2048, **every_layer)),
+        ("llama-3.1-8b", dict(task="train", precision="bf16", loss="chunked", batch=1, seq=2048, **every_layer)),
+    ]
 
 
 def quick_matrix() -> list[tuple[str, dict]]:
@@ -73,7 +192,7 @@ def quick_matrix() -> list[tuple[str, dict]]:
 def run(rows: list[tuple[str, dict]]) -> list[dict]:
     results = []
     for model, options in rows:
-        spec = load_model(model, overrides=MODELS[model])
+        spec = load_model(model, overrides=MODELS[model] if model in MODELS else FAMILY_MODELS[model])
         workload = build_workload(**options)
         start = time.perf_counter()
         result = compare(spec, workload)

@@ -28,8 +28,8 @@ CASES: dict[str, list[str]] = {
     "plan_8b.txt": ["plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--task", "lora", "--batch", "4", "--seq", "2048"],
     "plan_8b.json": ["plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--task", "lora", "--batch", "4", "--seq", "2048",
                      "--json"],
-    "plan_8b_does_not_fit.txt": ["plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--task", "train", "--host-memory",
-                                 "64GiB"],
+    "plan_70b_does_not_fit.txt": ["plan", "llama-3.1-70b", "--gpu", "rtx-4090", "--task", "train", "--host-memory",
+                                  "64GiB"],
     "trace_debug_saved.txt": ["trace", *DEBUG_LORA, "--save-trace", TRACE_FILE],
     "trace_debug.json": ["trace", *DEBUG_LORA, "--json"],
     "trace_8b.txt": ["trace", "llama-3.1-8b", "--task", "lora", "--batch", "1", "--seq", "512"],
@@ -41,7 +41,7 @@ CASES: dict[str, list[str]] = {
     "error_json.txt": ["estimate", "llama-2-7b", "--batch", "0", "--json"],
 }
 HELP = [[], ["estimate"], ["trace"], ["plan"], ["gpus"], ["models"], ["allocator"], ["allocator", "replay"], ["doctor"],
-        ["explain-oom"], ["monitor"], ["report"]]
+        ["explain-oom"], ["monitor"], ["report"], ["serve"]]
 """Every command's --help (tests/test_golden.py checks that none is missing)."""
 CASES.update({"help_" + ("_".join(args) or "llamem") + ".txt": [*args, "--help"] for args in HELP})
 
@@ -51,10 +51,25 @@ def render(argv: list[str]) -> str:
     from llamem.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _no_hub_cache():
         code = main(list(argv))
     text = f"$ llamem {' '.join(argv)}\nexit code: {code}\n{out.getvalue()}"
     return text + (f"--- stderr\n{err.getvalue()}" if err.getvalue() else "")
+
+
+@contextlib.contextmanager
+def _no_hub_cache():
+    """The same Hugging Face cache folder on every machine (one that does not exist): an unknown
+    model's message names where it looked."""
+    import os
+
+    saved = {key: os.environ.pop(key, None) for key in ("HF_HUB_CACHE", "HF_HOME", "HUGGINGFACE_HUB_CACHE")}
+    os.environ["HF_HUB_CACHE"] = "/nonexistent/huggingface/hub"
+    try:
+        yield
+    finally:
+        del os.environ["HF_HUB_CACHE"]
+        os.environ.update({key: value for key, value in saved.items() if value is not None})
 
 
 def regenerate() -> None:

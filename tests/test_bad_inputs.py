@@ -66,6 +66,9 @@ COMMAND_SECONDS = 30
 """Time one command may take: every one here runs in a few seconds on the debug preset; a command past
 this limit is stuck, and the test fails instead of hanging. Not for `trace`: an exception raised by the
 alarm inside torch's dispatch can abort the interpreter, so a trace that may hang runs in a child process."""
+PLAN_SECONDS = 150
+"""A hang guard for plans, not a speed limit: `plan --maximize` searches every technique at each
+probe size (45 s for the slowest request seen on this machine's CPU, alone)."""
 
 
 class TookTooLong(BaseException):
@@ -326,7 +329,8 @@ def assert_no_code_ran(files: dict[str, str]) -> None:
 def answer(argv: list[str], files: dict[str, str] | None = None):
     """Run a random command line (no alarm for trace, see COMMAND_SECONDS), count its exit code for
     `--hypothesis-show-statistics`, check it."""
-    run = run_cli(resolve(argv, files or {}), seconds=None if argv[:1] == ["trace"] else COMMAND_SECONDS)
+    seconds = {"trace": None, "plan": PLAN_SECONDS}.get(argv[0] if argv else "", COMMAND_SECONDS)
+    run = run_cli(resolve(argv, files or {}), seconds=seconds)
     event(f"exit {run.code}")
     doc = check_answer(run)
     if files:
@@ -663,7 +667,7 @@ def test_a_pickle_asking_for_a_global_is_refused_unrun(protocol, wrapped, tmp_pa
 
 # 4. Plans reproduce their figures ------------------------------------------------------------------------
 def run_json(argv: list[str]) -> tuple[Run, object]:
-    run = run_cli(argv)
+    run = run_cli(argv, seconds=PLAN_SECONDS if argv[0] == "plan" else COMMAND_SECONDS)
     return run, check_answer(run)
 
 

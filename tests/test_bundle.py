@@ -181,9 +181,10 @@ def test_launch_sh_parses_and_starts_one_process_per_gpu(config_path, tmp_path, 
     assert expected in script
 
 
-def test_tensor_parallel_bundle_says_why_and_exits_1(config_path, tmp_path):
-    bundle, files = _emit(_plan(config_path, "none", gpus=2, tp=2), tmp_path)
-    why = "tensor parallel bundles are not emitted yet: choose --gpus so the plan uses data parallel / ZeRO"
+def test_tensor_parallel_with_data_parallel_bundle_says_why_and_exits_1(config_path, tmp_path):
+    bundle, files = _emit(_plan(config_path, "ddp", gpus=4, tp=2), tmp_path)
+    why = ("tensor parallel bundles run one replica, without data parallel, ZeRO or offload: choose --gpus so the "
+           "plan uses data parallel / ZeRO")
     assert bundle.unsupported == why
     assert f"**This bundle does not run the plan: {why}.**" in files["README.md"]
     run = subprocess.run(["bash", str(tmp_path / "launch.sh"), "--cpu"], capture_output=True, text=True)
@@ -281,15 +282,18 @@ def test_plan_emit_writes_the_bundle_of_the_planned_configuration(config_path, t
 
 
 def test_plan_emit_with_json_keeps_stdout_one_document(config_path, tmp_path, capsys):
-    """The planner spreads this tiny model over a pipeline: the bundle is written and refuses to run."""
+    """The planner spreads this tiny model over a pipeline, which the bundle runs: the JSON on stdout says
+    where the bundle is, the line that says so goes to stderr."""
     code = main(["plan", "--config", str(config_path), "--budget", "8GiB", "--gpus", "2", "--batch", "4",
                  "--seq", "64", "--json", "--emit", str(tmp_path / "two")])
     captured = capsys.readouterr()
     assert code == 0
-    layout = json.loads(captured.out)["final"]["config"]["layout"]
-    assert layout["pp"] == 2
-    assert captured.err.strip().endswith("launch.sh refuses to run it: pipeline parallel bundles are not emitted "
-                                         "yet: choose --gpus so the plan uses data parallel / ZeRO")
+    data = json.loads(captured.out)
+    assert data["final"]["config"]["layout"]["pp"] == 2
+    assert data["bundle"]["directory"] == str(tmp_path / "two") and data["bundle"]["strategy"] == "pp"
+    assert captured.err.strip() == (f"bundle: {tmp_path / 'two'}/ (README.md, config.json, launch.sh, slurm.sbatch, "
+                                    f"train.py); bash {tmp_path / 'two'}/launch.sh (--cpu --random-init --max-steps 2 "
+                                    "rehearses it on CPU)")
 
 
 def test_writing_a_bundle_needs_no_torch():

@@ -163,7 +163,9 @@ def test_cli_errors(capsys, args, code, fragment):
 def test_models_json(capsys):
     code, out, _ = run_cli(capsys, "models", "--json")
     names = {m["name"]: m for m in json.loads(out)}
-    assert code == 0 and len(names) == 22
+    from llamem.model import preset_names
+
+    assert code == 0 and set(names) == set(preset_names()) and len(names) == 34
     assert names["llama-2-7b"]["num_params"] == 6738415616
 
 

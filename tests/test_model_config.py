@@ -87,10 +87,13 @@ def test_absent_fields_take_transformers_defaults_per_model_type():
 def test_defaults_table_matches_transformers():
     transformers = pytest.importorskip("transformers")
     required = {k: LLAMA[k] for k, rule in FIELDS.items() if rule.required}
-    for model_type, cls in (("llama", transformers.LlamaConfig), ("mistral", transformers.MistralConfig)):
-        config = cls(**required)
+    from llamem.model import HF_CLASSES
+
+    for model_type, (cls_name, _model, _layer) in HF_CLASSES.items():
+        cls = getattr(transformers, cls_name)
         for key, value in _DEFAULTS[model_type].items():
-            assert getattr(config, key) == value, (model_type, key)
+            # The class default before __post_init__ (which derives moe_layers, turns sliding_window off...).
+            assert cls.__dataclass_fields__[key].default == value, (model_type, key)
 
 
 def test_every_problem_is_reported_at_once():
@@ -204,3 +207,16 @@ def test_cli_exit_codes_for_these_errors(tmp_path):
     for args, code, fragment in cases:
         out = subprocess.run([sys.executable, "-m", "llamem", *args], capture_output=True, text=True, timeout=120)
         assert out.returncode == code and fragment in out.stdout + out.stderr, (args, out.stdout, out.stderr)
+
+
+def test_class_names_exist_in_transformers():
+    """Bundles and `--code` name each family's classes: every name is one transformers has."""
+    import importlib
+
+    transformers = pytest.importorskip("transformers")
+    from llamem.model import HF_CLASSES
+
+    for model_type, (config, causal_lm, layer) in HF_CLASSES.items():
+        assert hasattr(transformers, config) and hasattr(transformers, causal_lm), model_type
+        module = importlib.import_module(getattr(transformers, causal_lm).__module__)
+        assert hasattr(module, layer), (model_type, layer)

@@ -1,5 +1,7 @@
 """Names people type resolve to presets by one normalising rule plus a short alias table."""
 
+import json
+
 import pytest
 
 from llamem.errors import UnknownModel
@@ -83,3 +85,94 @@ def test_near_matches_deduplicate_after_mapping_aliases():
     # 'llama-3.1-8b' is reachable as its key, its Hugging Face id and its 'Meta-Llama-3.1' spelling.
     found = near_matches("meta-llama/Llama-3.1-8B-Instruction")
     assert found.count("llama-3.1-8b") == 1 and found[0] == "llama-3.1-8b"
+
+
+@pytest.mark.parametrize("name, key", [
+    ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"),
+    ("qwen2.5-72b-instruct", "qwen2.5-72b"),
+    ("QWEN/QWEN3-8B", "qwen3-8b"),
+    ("Qwen3-30B-A3B", "qwen3-30b-a3b"),
+    ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"),
+    ("Mixtral-8x22B-v0.1", "mixtral-8x22b"),
+    ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama-4-scout-17b-16e"),
+    ("Llama-4-Maverick-17B-128E", "llama-4-maverick-17b-128e"),
+    ("mistralai/Mistral-Nemo-Instruct-2407", "mistral-nemo-12b"),
+    ("Mistral-Nemo-Base-2407", "mistral-nemo-12b"),
+    ("deepseek-ai/DeepSeek-R1-Distill-Llama-70B", "deepseek-r1-distill-llama-70b"),
+])
+def test_family_hub_ids_and_variants_resolve(name, key):
+    assert load_model(name).name == key
+
+
+def fake_cache(root, repo, config, commit="0123abcd"):
+    """A Hugging Face hub cache as huggingface_hub lays it out: refs/main names the snapshot."""
+    folder = root / ("models--" + repo.replace("/", "--"))
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    return snapshot / "config.json"
+
+
+QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+         "use_sliding_window": False, "sliding_window": 4096}
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "hub").mkdir()
+    return tmp_path / "hub"
+
+
+def test_a_hub_id_in_the_local_cache_is_read_from_there(hub_cache):
+    path = fake_cache(hub_cache, "SomeLab/Tiny-Qwen-v1", QWEN2)
+    for name in ("SomeLab/Tiny-Qwen-v1", "somelab/tiny-qwen-v1", "Tiny-Qwen-v1"):
+        spec = load_model(name)
+        assert (spec.name, spec.hf_id, spec.source) == ("SomeLab/Tiny-Qwen-v1", "SomeLab/Tiny-Qwen-v1", str(path))
+        assert spec.model_type == "qwen2" and spec.qkv_bias and spec.sliding_window is None
+    # A llama of the same shape (139,584) plus the q/k/v biases, 64 + 32 + 32 per layer.
+    assert spec.num_params == 139_584 + 2 * 128 == 139_840
+    assert load_model("SomeLab/Tiny-Qwen-v1", overrides={"num_hidden_layers": 1}).num_layers == 1
+
+
+def test_a_bare_name_two_organisations_share_is_not_guessed(hub_cache):
+    fake_cache(hub_cache, "LabA/Tiny", QWEN2)
+    fake_cache(hub_cache, "LabB/Tiny", QWEN2)
+    assert load_model("LabB/Tiny").name == "LabB/Tiny"
+    with pytest.raises(UnknownModel):
+        load_model("Tiny")
+
+
+def test_llama4_hub_config_sizes_its_text_model(hub_cache):
+    text = {"model_type": "llama4_text", "hidden_size": 64, "intermediate_size": 32, "intermediate_size_mlp": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "vocab_size": 512, "num_local_experts": 4, "interleave_moe_layer_step": 2}
+    fake_cache(hub_cache, "meta-llama/Llama-4-Tiny", {"model_type": "llama4", "text_config": text,
+                                                      "vision_config": {"hidden_size": 32}})
+    spec = load_model("meta-llama/Llama-4-Tiny")
+    assert spec.model_type == "llama4_text" and spec.moe_layers == (1,) and spec.shared_expert_intermediate_size == 32
+    assert "vision encoder" in spec.notes[0]
+
+
+def test_a_name_found_nowhere_says_where_it_looked(hub_cache):
+    with pytest.raises(UnknownModel) as err:
+        load_model("Qwen/Qwen2.5-7B-Instrukt")
+    assert err.value.near[0] == "qwen2.5-7b"
+    assert f"the Hugging Face cache {hub_cache}" in str(err.value) and "HF_HUB_CACHE" in str(err.value)
+
+
+def test_an_absent_cache_is_named_as_absent(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "nowhere"))
+    with pytest.raises(UnknownModel, match="nowhere, which does not exist"):
+        load_model("SomeLab/Tiny-Qwen-v1")
+
+
+def test_a_directory_or_config_json_of_a_new_family_is_read(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(QWEN2, model_type="qwen3", head_dim=16)))
+    for name in (str(tmp_path), str(tmp_path / "config.json")):
+        spec = load_model(name)
+        assert spec.model_type == "qwen3" and spec.qk_norm == "rms" and spec.name == name

@@ -11,8 +11,9 @@ import shlex
 
 import pytest
 
-from llamem.bundle.emit import emit_for_cli
+from llamem.bundle.emit import bundle_runs, emit_for_cli
 from llamem.cli import main
+from llamem.errors import UsageError
 from llamem.gpus import budget_gpu
 from llamem.model import load_model
 from llamem.parallel import Layout
@@ -80,7 +81,8 @@ def test_the_case_chooses_different_layouts_per_engine(plans):
     layouts = {engine: plans[engine].final.layout for engine in ("any", "fsdp2", "deepspeed", "megatron")}
     assert (layouts["any"].tp, layouts["any"].sharding) == (2, "zero3")
     assert (layouts["fsdp2"].dp, layouts["fsdp2"].sharding, layouts["fsdp2"].engine) == (4, "zero3", "fsdp2")
-    assert layouts["deepspeed"].sharding == "zero2" and layouts["deepspeed"].dp == 4
+    assert layouts["deepspeed"].sharding == "zero3" and layouts["deepspeed"].dp == 4
+    assert layouts["deepspeed"].engine != "fsdp2"  # sized as DeepSpeed runs ZeRO-3, not as FSDP2
     assert layouts["megatron"].tp == 4
 
 
@@ -139,8 +141,12 @@ def test_any_keeps_the_json_without_engine_fields(plans):
 
 @pytest.mark.parametrize(("engine", "strategy", "launcher"), [
     ("fsdp2", "fsdp2", "torchrun"), ("deepspeed", "deepspeed", "deepspeed"), ("accelerate", "fsdp2", "accelerate")])
-def test_emit_writes_the_engines_bundle(plans, tmp_path, engine, strategy, launcher):
-    line = emit_for_cli(plans[engine], tmp_path, engine=engine)
+def test_emit_writes_the_engines_bundle(tmp_path, engine, strategy, launcher):
+    """As `llamem plan --emit --engine E` plans it: only configurations E's bundle runs."""
+    spec, gpu = load_model("llama-3.2-1b"), budget_gpu(12 * 2**30)
+    plan = make_plan(spec, build_workload(task="train", batch=8, seq=2048), gpu, num_gpus=4,
+                     host_budget_bytes=HOST_BYTES, engine=engine, runnable=bundle_runs(engine))
+    line = emit_for_cli(plan, tmp_path, engine=engine)
     assert line.startswith(f"bundle: {tmp_path}/")
     settings = (tmp_path / "train.py").read_text()
     assert f"'strategy': '{strategy}'," in settings and f"'launcher': '{launcher}'," in settings
@@ -148,8 +154,9 @@ def test_emit_writes_the_engines_bundle(plans, tmp_path, engine, strategy, launc
 
 
 def test_megatron_writes_no_bundle(plans, tmp_path):
-    line = emit_for_cli(plans["megatron"], tmp_path / "out", engine="megatron")
-    assert "llamem emits Megatron-LM arguments only" in line and not (tmp_path / "out").exists()
+    with pytest.raises(UsageError, match="--engine megatron prints Megatron-LM arguments only"):
+        emit_for_cli(plans["megatron"], tmp_path / "out", engine="megatron")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_bad_engine_is_a_usage_error_naming_the_choices():
@@ -174,5 +181,5 @@ def test_maximize_batch_steps_by_the_replicas_when_every_layout_replicates():
     spec = load_model("llama-3.2-1b")
     plan = make_plan(spec, build_workload(task="train", batch=8, seq=2048), budget_gpu(12 * 2**30), num_gpus=4,
                      host_budget_bytes=HOST_BYTES, engine="deepspeed", maximize_what="batch")
-    assert plan.fits and plan.maximized == {"what": "batch", "value": 24}
-    assert plan.final.layout.dp == 4 and plan.final.workload.batch == 6 and plan.final.workload.grad_accum == 1
+    assert plan.fits and plan.maximized == {"what": "batch", "value": 88}
+    assert plan.final.layout.dp == 4 and plan.final.workload.batch == 22 and plan.final.workload.grad_accum == 1

@@ -6,32 +6,35 @@ Only the checks that build a transformers model need torch; they import it thems
 
 import pytest
 
-from llamem.model import load_model, preset_names
+from llamem.model import SUPPORTED_MODEL_TYPES, load_model, preset_names
 from llamem.units import KiB
 
 
-def hf_num_params(spec):
-    transformers = pytest.importorskip("transformers")
+def hf_model(spec):
+    pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    from llamem.trace.build import hf_config
+    from llamem.trace.build import hf_config, hf_model_class
     from llamem.workload import Workload
 
-    cls = transformers.MistralForCausalLM if spec.model_type == "mistral" else transformers.LlamaForCausalLM
     with torch.device("meta"):
-        model = cls(hf_config(spec, Workload()))
-    return sum(p.numel() for p in model.parameters())
+        return hf_model_class(spec)(hf_config(spec, Workload()))
 
 
-@pytest.mark.parametrize("name", [n for n in preset_names() if n != "llama-3.1-405b"])
+# Built whole on meta, except where 100+ layers of experts make that slow: there the per-layer counts
+# are what matter, checked on a slice that keeps every kind of layer (Maverick alternates dense and MoE).
+SLICED = {"llama-3.1-405b": 2, "llama-4-maverick-17b-128e": 2, "mixtral-8x22b": 2, "llama-4-scout-17b-16e": 2,
+          "qwen3-30b-a3b": 2}
+
+
+@pytest.mark.parametrize("name", preset_names())
 def test_param_count_matches_transformers(name):
-    spec = load_model(name)
-    assert spec.num_params == hf_num_params(spec)
-
-
-def test_405b_param_count_matches_transformers_on_a_slice():
-    # 126 layers on meta is slow-ish; the per-layer count is what matters, so check 2 layers.
-    spec = load_model("llama-3.1-405b", overrides={"num_hidden_layers": 2})
-    assert spec.num_params == hf_num_params(spec)
+    overrides = {"num_hidden_layers": SLICED[name]} if name in SLICED else {}
+    spec = load_model(name, overrides=overrides)
+    model = hf_model(spec)
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    # Each layer's inventory names every parameter transformers builds, with its size.
+    for index, layer in enumerate(model.model.layers):
+        assert dict(spec.layer_params(index)) == {n: p.numel() for n, p in layer.named_parameters()}
 
 
 def test_405b_published_count():
@@ -42,6 +45,11 @@ def test_published_counts():
     assert load_model("llama-2-7b").num_params == 6_738_415_616
     assert load_model("llama-3.1-8b").num_params == 8_030_261_248
     assert load_model("llama-3.2-1b").num_params == 1_235_814_400  # tied head
+    assert load_model("mixtral-8x7b").num_params == 46_702_792_704
+    assert load_model("qwen2.5-7b").num_params == 7_615_616_512
+    assert load_model("qwen3-8b").num_params == 8_190_735_360
+    assert load_model("qwen3-30b-a3b").num_params == 30_532_122_624
+    assert load_model("llama-4-scout-17b-16e").num_params == 107_769_861_120  # text model: 109B with vision
 
 
 @pytest.mark.parametrize("name, kib_per_token", [
@@ -66,4 +74,4 @@ def test_lookup_by_hf_id_alias_and_case():
 def test_every_preset_passes_the_config_rules_and_cites_its_source(name):
     spec = load_model(name)
     assert spec.source and spec.hf_id and spec.notes == ()
-    assert spec.model_type in ("llama", "mistral")
+    assert spec.model_type in SUPPORTED_MODEL_TYPES

@@ -108,7 +108,7 @@ def test_plan_json_carries_the_code(capsys):
 
 def test_zero3_code_configures_deepspeed_before_loading(capsys):
     assert main(["plan", "llama-2-70b", "--gpu", "a100-80gb", "--gpus", "8", "--task", "train", "--batch", "8",
-                 "--seq", "4096", "--host-memory", "2TiB", "--json"]) == 0
+                 "--seq", "4096", "--host-memory", "2TiB", "--engine", "deepspeed", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     code, layout = data["final"]["code"], data["final"]["config"]["layout"]
     assert layout["sharding"] == "zero3"

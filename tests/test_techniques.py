@@ -39,4 +39,4 @@ def test_every_estimate_option_is_in_the_docs_table():
     table = DOCS.read_text().split("## Flags, fields and formulas", 1)[1]
     documented = set(re.findall(r"`(--[a-z0-9-]+)`", table))
     options = {opt for param in app.commands["estimate"].params for opt in param.opts if opt.startswith("--")}
-    assert options - {"--config", "--override", "--json", "--help"} <= documented
+    assert options - {"--config", "--override", "--json", "--html", "--help"} <= documented

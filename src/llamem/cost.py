@@ -4,6 +4,7 @@ Per step on the busiest GPU:
 - compute: training 6·N·tokens (forward 2N, backward 4N; LoRA/QLoRA skip the frozen
   weights' gradients: 4N) plus attention 12·L·h·s per token (forward, backward); full
   activation checkpointing recomputes the forward (+2N, +1/3), every-K a 1/K share of it;
+  selective checkpointing only the matmuls its policy does not keep (`recompute_flops_per_token`);
   divided by the cards' dense bf16 FLOP/s at 40 % utilisation (a typical MFU for LLaMA
   training with transformers); QLoRA's dequantization adds 25 % to the base matmuls, int8
   inference 15 %;
@@ -28,6 +29,7 @@ compute, stragglers, data loading. The figure ranks plans; it is not a wall-cloc
 
 from __future__ import annotations
 
+from llamem.analytic.selective import recompute_params_per_layer
 from llamem.analytic.weights import lora_tensor_sizes
 from llamem.cluster import INFINIBAND_NDR_BYTES_PER_S, Cluster
 from llamem.dtypes import DTYPE_BYTES
@@ -66,7 +68,7 @@ def step_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU, *, clus
     backward = 2 if w.uses_adapters else 4
     flops = tokens * ((2 + backward) * N + 12 * spec.num_layers * spec.hidden_size * w.seq)
     if w.ac_every:
-        flops += tokens * 2 * N / w.ac_every
+        flops += tokens * recompute_flops_per_token(spec, w)
     if w.task == "qlora":
         flops *= 1 + QLORA_DEQUANT_COST
     compute = flops / (gpu.bf16_flops * MFU * layout.num_gpus)
@@ -74,6 +76,20 @@ def step_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU, *, clus
         m = max(layout.microbatches, 1)
         compute *= 1 + (layout.pp - 1) / (m + layout.pp - 1)
     return compute + communication_seconds(spec, w, layout, gpu, cluster) + _offload(spec, w, layout, gpu)
+
+
+def recompute_flops_per_token(spec: ModelSpec, w: Workload) -> float:
+    """Forward FLOPs run again in backward, per token: full checkpointing every K-th layer reruns
+    1/K of the forward (2 N / K, as before); selective checkpointing reruns only the matmuls its
+    policy does not keep (`llamem.analytic.selective`: k, o and up of a full fine-tune, about 37 %
+    of a layer's weights), 2 FLOPs per weight, on the ceil(L / K) checkpointed layers. Attention and
+    the elementwise ops are not counted (SDPA's output is kept; elementwise ops are memory-bound)."""
+    if not w.ac_every:
+        return 0.0
+    if not w.selective_ac:
+        return 2 * spec.num_params / w.ac_every
+    checkpointed = -(-spec.num_layers // w.ac_every)
+    return 2 * recompute_params_per_layer(spec, w) * checkpointed
 
 
 def group_bandwidth(gpu: GPU, cluster: Cluster, consecutive_ranks: int) -> float:

@@ -162,10 +162,17 @@ def exact_shape_reserved_bytes(spec: ModelSpec, w: Workload, peak_allocated_byte
 
 
 def unlimited_card_reserved_bytes(spec: ModelSpec, w: Workload, peak_allocated_bytes: int) -> int:
+    return peak_allocated_bytes + _unlimited_fragmentation(spec, w)
+
+
+@lru_cache(maxsize=PROBE_CACHE_SIZE)
+def _unlimited_fragmentation(spec: ModelSpec, w: Workload) -> int:
+    """Reserved beyond allocated on a card without limit: one whole replay (0.1 s for an 8B step),
+    kept because a page or a plan asks again for the same workload."""
     from llamem.allocator.replay import runs_on_card
 
     events, allocated = probe_events(spec, w)
-    return peak_allocated_bytes + max(runs_on_card(events, None) - allocated, 0)
+    return max(runs_on_card(events, None) - allocated, 0)
 
 
 def device_memory(spec: ModelSpec, w: Workload, peak_allocated_bytes: int, *, num_gpus: int = 1,

@@ -2,9 +2,11 @@
 
 Parameter counts are exact: a test holds them to `sum(p.numel())` of the transformers
 model built from the same config. Config files and `--override` values go through one
-table of rules, `FIELDS`, taken from how transformers 5 declares and builds `LlamaConfig`
-and `MistralConfig` (their `@strict` field types, `validate_architecture`, and the
-shapes `LlamaAttention` derives): what transformers refuses, or cannot build, llamem refuses.
+table of rules, `FIELDS`, taken from how transformers 5 declares and builds the config
+class of each model type (`LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`,
+`MixtralConfig`, `Qwen3MoeConfig`, `Llama4TextConfig`: their `@strict` field types,
+`validate_architecture`, and the shapes their attention and MLP modules derive): what
+transformers refuses, or cannot build, llamem refuses.
 """
 
 from __future__ import annotations
@@ -21,10 +23,22 @@ from typing import Any, Literal
 from llamem.errors import ConfigError, UnknownModel, UsageError
 from llamem.presets import ALIASES, PRESETS, SAME_SHAPE_FINETUNES
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "llama4_text")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "llama4_text")
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "LlamaDecoderLayer"),
+              "mistral": ("MistralConfig", "MistralForCausalLM", "MistralDecoderLayer"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2DecoderLayer"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "Qwen3DecoderLayer"),
+              "mixtral": ("MixtralConfig", "MixtralForCausalLM", "MixtralDecoderLayer"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "Qwen3MoeDecoderLayer"),
+              "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", "Llama4TextDecoderLayer")}
+"""transformers' config, causal-LM and decoder-layer class names of each model type llamem sizes (the
+trace builds with them; bundles and `--code` wrap decoder layers by name)."""
 
 # The transformers class that reads each model type: named in errors, since its rules are the ones applied.
-_CONFIG_CLASS = {"llama": "LlamaConfig", "mistral": "MistralConfig"}
+_CONFIG_CLASS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+                 "qwen3": "Qwen3Config", "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig",
+                 "llama4_text": "Llama4TextConfig"}
 
 # torch sizes and element counts are int64: a larger dimension cannot be built.
 _INT64_MAX = 2**63 - 1
@@ -34,7 +48,7 @@ MAX_LAYERS = 1024
 # A config.json is a few KiB; anything this large is a weights file passed by mistake.
 _MAX_CONFIG_BYTES = 16 * 2**20
 
-Kind = Literal["int", "float", "number", "bool"]
+Kind = Literal["int", "float", "number", "bool", "int_list"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,7 +58,8 @@ class FieldRule:
     kind: Kind
     """int: a JSON integer, at least 1 (transformers' @strict type check refuses floats, even 2048.0,
     and booleans); float: a JSON float (it refuses the integer 1 where it declares `float`);
-    number: an integer or a float; bool: JSON true or false, never a string (bool("false") is True)."""
+    number: an integer or a float; bool: JSON true or false, never a string (bool("false") is True);
+    int_list: a JSON list of whole numbers of at least 0 (layer indices, or Llama 4's 0/1 flags)."""
     required: bool = False
     """llamem refuses a config without it, where transformers would fill in Llama-2-7B's value."""
     null_ok_for: tuple[str, ...] = ()
@@ -53,14 +68,19 @@ class FieldRule:
     num_key_value_heads `int`, so it refuses null there although LlamaConfig accepts it."""
     read_by: tuple[str, ...] = SUPPORTED_MODEL_TYPES
     """Model types whose transformers model uses the field; the others ignore it."""
-    ignored_why: str = ""
-    """Why a model type outside `read_by` ignores the field, and what to use instead."""
+    ignored_why: dict[str, str] = field(default_factory=dict)
+    """Why a model type outside `read_by` ignores the field, and what to use instead, where more can be
+    said than that its config class does not read it."""
     maximum: int = 2**63 - 1
     """The largest value llamem sizes (an int64 for sizes; layers are counted one by one)."""
 
 
 _NO_SLIDING = "llama has no sliding window (LlamaForCausalLM attends to every token); use a mistral config"
 _NO_BIAS = "mistral has no biases (MistralForCausalLM builds every Linear with bias=False); use a llama config"
+_QWEN2_BIAS = ("qwen2 fixes its biases (Qwen2Attention builds q/k/v_proj with bias=True and o_proj without): "
+               "there is nothing to set")
+_QWEN = ("qwen2", "qwen3", "qwen3_moe")
+_ALL = SUPPORTED_MODEL_TYPES
 
 # Every field llamem reads, by its Hugging Face name. Config files and --override both go through it.
 FIELDS: dict[str, FieldRule] = {
@@ -68,28 +88,62 @@ FIELDS: dict[str, FieldRule] = {
     "intermediate_size": FieldRule(kind="int", required=True),
     "num_hidden_layers": FieldRule(kind="int", required=True, maximum=MAX_LAYERS),
     "num_attention_heads": FieldRule(kind="int", required=True),
-    "num_key_value_heads": FieldRule(kind="int", null_ok_for=("llama",)),
-    "head_dim": FieldRule(kind="int", null_ok_for=SUPPORTED_MODEL_TYPES),
+    "num_key_value_heads": FieldRule(kind="int", null_ok_for=("llama", "qwen2", "qwen3")),
+    # Qwen2Config and Qwen3MoeConfig do not declare head_dim, but their attention reads it when present.
+    "head_dim": FieldRule(kind="int", null_ok_for=("llama", "mistral", "mixtral")),
     "vocab_size": FieldRule(kind="int", required=True),
     "max_position_embeddings": FieldRule(kind="int"),
     "tie_word_embeddings": FieldRule(kind="bool"),
-    "sliding_window": FieldRule(kind="int", null_ok_for=("mistral",), read_by=("mistral",),
-                                ignored_why=_NO_SLIDING),
-    "attention_bias": FieldRule(kind="bool", read_by=("llama",), ignored_why=_NO_BIAS),
-    "mlp_bias": FieldRule(kind="bool", read_by=("llama",), ignored_why=_NO_BIAS),
+    "sliding_window": FieldRule(kind="int", null_ok_for=("mistral", "mixtral") + _QWEN,
+                                read_by=("mistral", "mixtral") + _QWEN, ignored_why={"llama": _NO_SLIDING}),
+    "use_sliding_window": FieldRule(kind="bool", read_by=_QWEN),
+    "attention_bias": FieldRule(kind="bool", read_by=("llama", "qwen3", "qwen3_moe", "llama4_text"),
+                                ignored_why={"mistral": _NO_BIAS, "qwen2": _QWEN2_BIAS}),
+    "mlp_bias": FieldRule(kind="bool", read_by=("llama",), ignored_why={"mistral": _NO_BIAS}),
+    # Mixture of experts: the expert count has two names; Qwen3-MoE sizes experts apart from its dense MLP.
+    "num_local_experts": FieldRule(kind="int", read_by=("mixtral", "llama4_text")),
+    "num_experts": FieldRule(kind="int", read_by=("qwen3_moe",)),
+    "num_experts_per_tok": FieldRule(kind="int", read_by=MOE_MODEL_TYPES),
+    "moe_intermediate_size": FieldRule(kind="int", read_by=("qwen3_moe",)),
+    "decoder_sparse_step": FieldRule(kind="int", read_by=("qwen3_moe",)),
+    "mlp_only_layers": FieldRule(kind="int_list", null_ok_for=("qwen3_moe",), read_by=("qwen3_moe",)),
+    "intermediate_size_mlp": FieldRule(kind="int", read_by=("llama4_text",)),
+    "interleave_moe_layer_step": FieldRule(kind="int", read_by=("llama4_text",)),
+    "moe_layers": FieldRule(kind="int_list", null_ok_for=("llama4_text",), read_by=("llama4_text",)),
+    # Llama 4: RoPE layers attend in chunks and L2-normalise q and k; every no_rope_layer_interval-th is global.
+    "use_qk_norm": FieldRule(kind="bool", read_by=("llama4_text",)),
+    "attention_chunk_size": FieldRule(kind="int", null_ok_for=("llama4_text",), read_by=("llama4_text",)),
+    "no_rope_layers": FieldRule(kind="int_list", null_ok_for=("llama4_text",), read_by=("llama4_text",)),
+    "no_rope_layer_interval": FieldRule(kind="int", read_by=("llama4_text",)),
     # Not memory, but `trace` builds the model from them: a string here fails inside RoPE or RMSNorm.
     "rms_norm_eps": FieldRule(kind="float"),
     "rope_theta": FieldRule(kind="number"),
 }
 
-# What transformers 5 fills in when a field is absent: the class defaults of configuration_llama.py and
-# configuration_mistral.py (a test compares them). num_key_value_heads (llama) and head_dim are derived
-# instead: num_attention_heads, and hidden_size // num_attention_heads.
+# What transformers 5 fills in when a field is absent: the class defaults of each configuration_*.py
+# (a test compares them). num_key_value_heads (llama) and head_dim (llama, mistral, mixtral, qwen2,
+# qwen3_moe) are derived instead: num_attention_heads, and hidden_size // num_attention_heads.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "tie_word_embeddings": False, "attention_bias": False,
               "mlp_bias": False},
     "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "tie_word_embeddings": False,
                 "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+              "use_sliding_window": False, "sliding_window": 4096},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
+              "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+              "sliding_window": 4096},
+    "mixtral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+                "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+                  "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096,
+                  "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "decoder_sparse_step": 1, "mlp_only_layers": None},
+    "llama4_text": {"num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+                    "tie_word_embeddings": False, "attention_bias": False, "num_local_experts": 16,
+                    "num_experts_per_tok": 1, "intermediate_size_mlp": 16384, "interleave_moe_layer_step": 1,
+                    "moe_layers": None, "use_qk_norm": True, "attention_chunk_size": 8192,
+                    "no_rope_layers": None, "no_rope_layer_interval": 4},
 }
 
 # What null or an absent field means where transformers derives the value; 0 is a common mistake for it.
@@ -116,7 +170,24 @@ class ModelSpec:
     sliding_window: int | None = None
     """Mistral-style sliding-window attention: the KV cache keeps at most this many tokens."""
     attention_bias: bool = False
+    """A bias on q, k, v and o_proj (LlamaConfig / Qwen3Config attention_bias)."""
     mlp_bias: bool = False
+    qkv_bias: bool = False
+    """A bias on q, k and v_proj only, o_proj without: Qwen2 always builds its attention so."""
+    qk_norm: Literal["none", "rms", "l2"] = "none"
+    """Queries and keys normalised per head before RoPE: rms is Qwen3's q_norm / k_norm (RMSNorm weights
+    of head_dim each), l2 Llama 4's Llama4TextL2Norm (no weights, on its RoPE layers)."""
+    num_experts: int = 0
+    """Routed experts of each mixture-of-experts layer; 0 for a dense model."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (num_experts_per_tok): 2 for Mixtral, 8 for Qwen3-MoE, 1 for Llama 4."""
+    moe_intermediate_size: int = 0
+    """Hidden width of one routed expert's gated MLP (its gate_up_proj holds 2x this many rows)."""
+    shared_expert_intermediate_size: int = 0
+    """Llama 4's shared expert, a gated MLP every token goes through beside the routed ones; 0 if none."""
+    moe_layers: tuple[int, ...] = ()
+    """Indices of the layers whose MLP is a mixture of experts; the others use the dense
+    `intermediate_size` MLP (Llama 4 Maverick interleaves them, Qwen3-MoE's mlp_only_layers)."""
     model_type: str = "llama"
     hf_id: str | None = None
     source: str = ""
@@ -136,6 +207,9 @@ class ModelSpec:
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
             problems.append(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                             f"num_key_value_heads ({self.num_kv_heads})")
+        if self.moe_layers and not 0 < self.experts_per_token <= self.num_experts:
+            problems.append(f"num_experts_per_tok ({self.experts_per_token}) must be between 1 and the number "
+                            f"of experts ({self.num_experts})")
         if problems:
             raise ConfigError(f"model {self.name!r}: " + "; ".join(problems))
 
@@ -164,17 +238,24 @@ class ModelSpec:
         }
 
     @property
-    def params_per_layer(self) -> int:
-        """Linear weights (+ biases if any) and the two RMSNorm weights of one decoder layer."""
-        return _params_per_layer(self)
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
-    def _count_params_per_layer(self) -> int:
-        total = 2 * self.hidden_size
-        for name, (fan_in, fan_out) in self.layer_linear_shapes().items():
-            total += fan_in * fan_out
-            has_bias = self.mlp_bias if name.endswith(("gate_proj", "up_proj", "down_proj")) else self.attention_bias
-            total += fan_out if has_bias else 0
-        return total
+    def layer_params(self, index: int) -> list[tuple[str, int]]:
+        """(name, element count) of every parameter of decoder layer `index`, named as transformers names it
+        under the layer; routed experts are fused 3-D parameters (MixtralExperts, Llama4TextExperts). The two
+        RMSNorm weights come first, then attention and MLP in named_parameters() order: the order the
+        allocator schedules have always used for a layer's tensors."""
+        return list(_layer_params(self, index in self.moe_layers))
+
+    def layer_kinds(self) -> list[tuple[bool, int]]:
+        """(mixture of experts?, how many layers) for each kind of layer the model has."""
+        return _layer_kinds(self)
+
+    @property
+    def params_per_layer(self) -> int:
+        """Parameters of one decoder layer (of the largest, where mixture-of-experts and dense layers alternate)."""
+        return max(_layer_total(self, moe) for moe, _count in _layer_kinds(self))
 
     @property
     def embedding_params(self) -> int:
@@ -188,8 +269,7 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         """Embedding + layers + final norm + untied lm_head, as `sum(p.numel())` counts them."""
-        return (self.embedding_params + self.num_layers * self.params_per_layer
-                + self.hidden_size + self.lm_head_params)
+        return _num_params(self)
 
     def kv_bytes_per_token(self, bytes_per_element: float = 2) -> int:
         """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes (GQA-sized, never hidden_size)."""
@@ -201,9 +281,60 @@ def _linear_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     return spec._compute_linear_shapes()
 
 
+def _layer_kinds(spec: ModelSpec) -> list[tuple[bool, int]]:
+    """(mixture of experts?, how many layers) for each kind of layer the model has."""
+    moe = len(spec.moe_layers)
+    return [(kind, count) for kind, count in ((False, spec.num_layers - moe), (True, moe)) if count]
+
+
 @lru_cache(maxsize=1024)
-def _params_per_layer(spec: ModelSpec) -> int:
-    return spec._count_params_per_layer()
+def _layer_total(spec: ModelSpec, moe: bool) -> int:
+    return sum(n for _name, n in _layer_params(spec, moe))
+
+
+@lru_cache(maxsize=1024)
+def _num_params(spec: ModelSpec) -> int:
+    layers = sum(count * _layer_total(spec, moe) for moe, count in _layer_kinds(spec))
+    return spec.embedding_params + layers + spec.hidden_size + spec.lm_head_params
+
+
+@lru_cache(maxsize=1024)
+def _layer_params(spec: ModelSpec, moe: bool) -> tuple[tuple[str, int], ...]:
+    """One layer's parameters: the two RMSNorm weights, attention (with its biases and q/k norms), the MLP
+    or the mixture of experts (router, fused experts, shared expert)."""
+    h, shapes = spec.hidden_size, spec.layer_linear_shapes()
+    out = [("input_layernorm.weight", h), ("post_attention_layernorm.weight", h)]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        fan_in, fan_out = shapes[name]
+        out.append((f"self_attn.{name}.weight", fan_in * fan_out))
+        if spec.attention_bias or (spec.qkv_bias and name != "o_proj"):
+            out.append((f"self_attn.{name}.bias", fan_out))
+    if spec.qk_norm == "rms":
+        out += [("self_attn.q_norm.weight", spec.head_dim), ("self_attn.k_norm.weight", spec.head_dim)]
+    block = "feed_forward" if spec.model_type == "llama4_text" else "mlp"  # Llama4TextDecoderLayer's name
+    out += _moe_params(spec, block) if moe else _mlp_params(block, h, spec.intermediate_size, spec.mlp_bias)
+    return tuple(out)
+
+
+def _mlp_params(prefix: str, h: int, i: int, bias: bool) -> list[tuple[str, int]]:
+    out = []
+    for name, fan_out in (("gate_proj", i), ("up_proj", i), ("down_proj", h)):
+        out.append((f"{prefix}.{name}.weight", h * i))
+        if bias:
+            out.append((f"{prefix}.{name}.bias", fan_out))
+    return out
+
+
+def _moe_params(spec: ModelSpec, block: str) -> list[tuple[str, int]]:
+    """Router (experts x hidden, no bias), fused experts (gate and up stacked: experts x 2I x hidden; down:
+    experts x hidden x I), Llama 4's shared expert. Mixtral and Qwen3-MoE name the router gate, Llama 4 router."""
+    h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    router = "router" if spec.model_type == "llama4_text" else "gate"
+    out = [(f"{block}.{router}.weight", e * h), (f"{block}.experts.gate_up_proj", e * 2 * i * h),
+           (f"{block}.experts.down_proj", e * h * i)]
+    if spec.shared_expert_intermediate_size:
+        out += _mlp_params(f"{block}.shared_expert", h, spec.shared_expert_intermediate_size, False)
+    return out
 
 
 def preset_names() -> list[str]:
@@ -249,7 +380,7 @@ def _spellings() -> dict[str, str]:
     return out
 
 
-def _lookup_preset(name: str) -> str | None:
+def lookup_preset(name: str) -> str | None:
     """Preset key for a short name, Hugging Face id or alias, in any of their common spellings.
 
     '-Instruct' / '-chat' fine-tunes resolve to their base preset only where presets.py records
@@ -326,6 +457,10 @@ def _parse_value(key: str, text: str) -> Any:
         if lowered not in _TRUE_WORDS + _FALSE_WORDS:
             raise ValueError("expected true or false")
         return lowered in _TRUE_WORDS
+    if kind == "int_list":
+        if not re.fullmatch(r"\[?\s*([0-9]+\s*(,\s*[0-9]+\s*)*)?\]?", text):
+            raise ValueError("expected layer numbers such as [0,2,4]")
+        return [int(v) for v in re.findall(r"[0-9]+", text)]
     if kind != "float" and re.fullmatch(r"[+-]?[0-9]+", text):
         try:
             return int(text)  # the range is checked with the config rules
@@ -373,13 +508,25 @@ def _value_problem(key: str, value: Any, model_type: str) -> str | None:
                 f"({_CONFIG_CLASS[model_type]} refuses it): {fix}")
     if rule.kind == "int":
         return _int_problem(key, value, rule)
+    if rule.kind == "int_list":
+        return _int_list_problem(key, value)
     return _number_problem(key, value, rule)
+
+
+def _int_list_problem(key: str, value: Any) -> str | None:
+    good = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LAYERS
+                                           for v in value)
+    if good:
+        return None
+    return (f"{key}={_show(value)}: must be a JSON list of layer numbers (whole numbers from 0), "
+            f"not {_json_type(value)}: write it like [0, 2, 4]")
 
 
 def _null_problem(key: str, rule: FieldRule, model_type: str) -> str:
     default = _DEFAULTS[model_type].get(key)
     fix = f"remove the field for the default ({_show(default)})" if default is not None else ""
-    kind = "a positive whole number" if rule.kind == "int" else "true or false" if rule.kind == "bool" else "a number"
+    kind = {"int": "a positive whole number", "bool": "true or false", "int_list": "a list of layer numbers"}.get(
+        rule.kind, "a number")
     fix = f"{fix}, or give {kind}" if fix else f"give {kind}"
     return f"{key}=null: {_CONFIG_CLASS[model_type]} does not accept null here: {fix}"
 
@@ -427,12 +574,12 @@ def _model_type(config: dict[str, Any], name: str) -> str:
     if model_type in SUPPORTED_MODEL_TYPES:
         return model_type
     if model_type is None:
-        raise ConfigError(f'{name}: no model_type field: add "model_type": "llama" (or "mistral") '
+        raise ConfigError(f'{name}: no model_type field: add "model_type": "llama" (or {", ".join(SUPPORTED_MODEL_TYPES[1:])}) '
                           "if this is a LLaMA-family config")
     archs = config.get("architectures")
     archs = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "no architectures field"
     raise ConfigError(f"{name}: model_type {_show(model_type)} ({_show(archs, 80)}) is not a LLaMA-family "
-                      f"architecture; llamem supports model_type {' or '.join(SUPPORTED_MODEL_TYPES)}")
+                      f"architecture; llamem supports model_type {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 def _field_problems(config: dict[str, Any], overrides: dict[str, Any], model_type: str) -> list[str]:
@@ -442,7 +589,7 @@ def _field_problems(config: dict[str, Any], overrides: dict[str, Any], model_typ
         if key not in FIELDS:
             problems.append(_unknown_field(key))
         elif model_type not in FIELDS[key].read_by:
-            problems.append(f"--override {key}={_show(value)}: {FIELDS[key].ignored_why}")
+            problems.append(f"--override {key}={_show(value)}: {_ignored_why(key, model_type)}")
     for key, rule in FIELDS.items():
         if model_type not in rule.read_by:
             continue  # the file's own value is only a note: transformers ignores it too
@@ -473,7 +620,8 @@ def _shape_problems(v: dict[str, Any], config: dict[str, Any], model_type: str) 
     """Combinations transformers refuses (LlamaConfig.validate_architecture) or cannot build or run."""
     problems = []
     hidden, heads, kv, head_dim = v["hidden_size"], v["num_attention_heads"], v["num_key_value_heads"], v["head_dim"]
-    if hidden % heads and (model_type == "llama" or config.get("head_dim") is None):
+    derived_head_dim = config.get("head_dim") is None and "head_dim" not in _DEFAULTS[model_type]
+    if hidden % heads and (model_type == "llama" or derived_head_dim):
         why, fix = ((f"{_CONFIG_CLASS[model_type]} refuses it, even with head_dim set", "change one of them")
                     if model_type == "llama" else
                     ("head_dim would be hidden_size // num_attention_heads, truncated", "set head_dim"))
@@ -487,11 +635,47 @@ def _shape_problems(v: dict[str, Any], config: dict[str, Any], model_type: str) 
     if head_dim % 2:
         problems.append(f"head_dim={head_dim} is odd: rotary position embeddings rotate pairs of dimensions; "
                         "use an even head_dim")
-    biggest = max(v["vocab_size"] * hidden, hidden * v["intermediate_size"], hidden * heads * head_dim)
+    moe = _moe_values(v, model_type)
+    biggest = max(v["vocab_size"] * hidden, hidden * _dense_intermediate(v, model_type), hidden * heads * head_dim,
+                  2 * hidden * moe["num_experts"] * moe["moe_intermediate_size"])
     if biggest > _INT64_MAX:
         problems.append("a weight matrix would hold more than 2**63 - 1 elements, the most torch can index: "
-                        "check hidden_size, intermediate_size, vocab_size and head_dim")
+                        "check hidden_size, intermediate_size, vocab_size, head_dim and the expert sizes")
+    if v.get("use_sliding_window"):
+        problems.append("use_sliding_window=true: llamem does not model Qwen's sliding window on the layers from "
+                        "max_window_layers on; write false (every layer attends to every token: an upper bound)")
     return problems
+
+
+def _dense_intermediate(v: dict[str, Any], model_type: str) -> int:
+    """The dense MLP's width: Llama 4 sizes its dense layers apart (intermediate_size_mlp), its experts by
+    intermediate_size."""
+    return v["intermediate_size_mlp"] if model_type == "llama4_text" else v["intermediate_size"]
+
+
+def _moe_values(v: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The ModelSpec fields of a mixture of experts, as each transformers model reads its config
+    (MixtralSparseMoeBlock, Qwen3MoeDecoderLayer, Llama4TextDecoderLayer); zeros for a dense model."""
+    layers = range(v["num_hidden_layers"])
+    if model_type == "mixtral":
+        return dict(num_experts=v["num_local_experts"], experts_per_token=v["num_experts_per_tok"],
+                    moe_intermediate_size=v["intermediate_size"], shared_expert_intermediate_size=0,
+                    moe_layers=tuple(layers))
+    if model_type == "qwen3_moe":
+        dense = set(v["mlp_only_layers"] or ())
+        step = v["decoder_sparse_step"]
+        return dict(num_experts=v["num_experts"], experts_per_token=v["num_experts_per_tok"],
+                    moe_intermediate_size=v["moe_intermediate_size"], shared_expert_intermediate_size=0,
+                    moe_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0))
+    if model_type == "llama4_text":
+        step = v["interleave_moe_layer_step"]
+        chosen = v["moe_layers"] if v["moe_layers"] is not None else range(step - 1, len(layers), step)
+        return dict(num_experts=v["num_local_experts"], experts_per_token=v["num_experts_per_tok"],
+                    moe_intermediate_size=v["intermediate_size"],
+                    shared_expert_intermediate_size=v["intermediate_size"],
+                    moe_layers=tuple(i for i in layers if i in set(chosen)))
+    return dict(num_experts=0, experts_per_token=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
+                moe_layers=())
 
 
 def _notes(config: dict[str, Any], model_type: str) -> list[str]:
@@ -500,7 +684,7 @@ def _notes(config: dict[str, Any], model_type: str) -> list[str]:
     Harmless, so not noted: rope_scaling / rope_parameters (a few small buffers), attention_dropout
     (no stored mask with sdpa), pretraining_tp (unused by transformers 5), torch_dtype (the workload
     chooses the dtype), use_cache and the token ids."""
-    notes = [f"{key}={_show(config[key])} is ignored: {rule.ignored_why}"
+    notes = [f"{key}={_show(config[key])} is ignored: {_ignored_why(key, model_type)}"
              for key, rule in FIELDS.items()
              if model_type not in rule.read_by and config.get(key) not in (None, False)]
     quant = config.get("quantization_config")
@@ -510,6 +694,11 @@ def _notes(config: dict[str, Any], model_type: str) -> list[str]:
                      "weights, but llamem sizes weights from --precision and --quant, not from the file: "
                      "pass the --quant (int8, nf4 or int4) closest to it")
     return notes
+
+
+def _ignored_why(key: str, model_type: str) -> str:
+    why = FIELDS[key].ignored_why.get(model_type)
+    return why or f"{_CONFIG_CLASS[model_type]} does not read it ({model_type} models are built without it)"
 
 
 def _problem_text(subject: str | None, problems: list[str]) -> str:
@@ -527,6 +716,7 @@ def spec_from_config(config: dict[str, Any], *, name: str, hf_id: str | None = N
     Every problem is reported at once, each naming the field, its value and the fix."""
     if not isinstance(config, dict):
         raise ConfigError(f"{name}: a config is a JSON object of fields, not {_json_type(config)}")
+    config, outer_notes = _text_config(config)
     model_type = _model_type(config, name)
     overrides = dict(overrides or {})
     merged = {**config, **overrides}
@@ -538,15 +728,38 @@ def spec_from_config(config: dict[str, Any], *, name: str, hf_id: str | None = N
     if overrides:
         name += " (" + ", ".join(f"{k}={_show(v)}" for k, v in overrides.items()) + ")"
     return ModelSpec(
-        name=name, hidden_size=values["hidden_size"], intermediate_size=values["intermediate_size"],
+        name=name, hidden_size=values["hidden_size"], intermediate_size=_dense_intermediate(values, model_type),
         num_layers=values["num_hidden_layers"], num_heads=values["num_attention_heads"],
         num_kv_heads=values["num_key_value_heads"], head_dim=values["head_dim"], vocab_size=values["vocab_size"],
         max_position_embeddings=values["max_position_embeddings"],
-        tie_word_embeddings=values["tie_word_embeddings"], sliding_window=values.get("sliding_window"),
+        tie_word_embeddings=values["tie_word_embeddings"],
+        # Qwen configs carry a sliding_window that only use_sliding_window (refused above) turns on.
+        sliding_window=None if model_type in _QWEN else values.get("sliding_window"),
         attention_bias=values.get("attention_bias", False), mlp_bias=values.get("mlp_bias", False),
+        qkv_bias=model_type == "qwen2", qk_norm=_qk_norm(values, model_type), **_moe_values(values, model_type),
         model_type=model_type, hf_id=hf_id, source=source, config=merged,
-        notes=tuple(_notes(config, model_type)),
+        notes=tuple(outer_notes + _notes(config, model_type)),
     )
+
+
+def _qk_norm(values: dict[str, Any], model_type: str) -> str:
+    if model_type in ("qwen3", "qwen3_moe"):
+        return "rms"  # Qwen3Attention: q_norm and k_norm, RMSNorm weights of head_dim each
+    if model_type == "llama4_text" and values["use_qk_norm"]:
+        return "l2"  # Llama4TextL2Norm on the RoPE layers: no weights
+    return "none"
+
+
+def _text_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Llama 4's hub config.json (model_type llama4) nests the language model under text_config: size
+    that, and say the vision encoder is left out."""
+    text = config.get("text_config")
+    if config.get("model_type") != "llama4" or not isinstance(text, dict):
+        return config, []
+    text = {"model_type": "llama4_text", **text}
+    note = ("the vision encoder and projector (Llama4ForConditionalGeneration) are not counted: llamem sizes "
+            "the text model (Llama4ForCausalLM)")
+    return text, [note]
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -597,8 +810,9 @@ def load_model(name: str | None = None, *, config_path: str | Path | None = None
                overrides: dict[str, Any] | None = None) -> ModelSpec:
     """A preset name, Hugging Face id or config.json path, or `--config`; then `overrides` on top.
 
-    A name that is a `.json` path, or a directory holding a config.json, is read as that file and
-    labelled by its path."""
+    A name is tried as, in order: a `.json` path or a directory holding a config.json (read, and
+    labelled by its path); a preset, by any of its spellings; a hub id whose config.json is in the
+    local Hugging Face cache (read from there, never downloaded)."""
     if name is not None and config_path is not None:
         raise UsageError(f"give a model name or --config, not both (got {name!r} and --config {config_path}): "
                          "drop the name to read the config file, or --config to use the preset")
@@ -612,11 +826,21 @@ def load_model(name: str | None = None, *, config_path: str | Path | None = None
         return spec_from_config(config, name=str(config_path or name), overrides=overrides,
                                 hf_id=hf_id if isinstance(hf_id, str) and hf_id else None,
                                 source=str(_config_file(_expand(path))))
-    key = _lookup_preset(name)
+    key = lookup_preset(name)
     if key is None:
-        raise UnknownModel(name, near_matches(name), looked=_where_looked(name))
+        return _load_cached(name, overrides)
     hf_id, source, config = PRESETS[key]
     return spec_from_config(config, name=key, hf_id=hf_id, source=source, overrides=overrides)
+
+
+def _load_cached(name: str, overrides: dict[str, Any] | None) -> ModelSpec:
+    from llamem.resolve import cached_config
+
+    found = None if _looks_like_path(name) else cached_config(name)
+    if found is None:
+        raise UnknownModel(name, near_matches(name), looked=_where_looked(name))
+    hf_id, path = found
+    return spec_from_config(read_config(path), name=hf_id, hf_id=hf_id, source=str(path), overrides=overrides)
 
 
 def _name_as_path(name: str) -> Path | None:
@@ -638,5 +862,9 @@ def _where_looked(name: str) -> str:
     looked = "presets and aliases, in any case, with or without the organisation prefix, -hf, -chat or -Instruct"
     if _looks_like_path(name):
         state = "a directory without config.json" if _is_dir(_expand(Path(name))) else "not found"
-        looked += f", and the local path {name} ({state})"
-    return looked
+        return looked + f", and the local path {name} ({state})"
+    from llamem.resolve import hub_cache_dir
+
+    cache = hub_cache_dir()
+    state = "" if _is_dir(cache) else ", which does not exist"
+    return looked + f"; the Hugging Face cache {cache}{state} (set HF_HUB_CACHE or HF_HOME to look elsewhere)"

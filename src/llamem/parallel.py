@@ -36,7 +36,7 @@ from typing import ClassVar, Literal
 from llamem.analytic import estimate
 from llamem.analytic.activations import (checkpoint_mask_bytes, is_checkpointed, layer_saved_bytes, rope_bytes,
                                          stream_bytes, training_activations)
-from llamem.analytic.common import r512
+from llamem.analytic.common import add_breakdowns, r512
 from llamem.analytic.logits import training_logits
 from llamem.analytic.weights import rope_buffer_bytes
 from llamem.dtypes import DTYPE_BYTES
@@ -137,6 +137,11 @@ def check_layout(spec: ModelSpec, layout: Layout) -> list[str]:
     return problems
 
 
+IN_BACKWARD_ONE_GPU = ("--optimizer-in-backward is sized on one GPU without sharding or offload (DDP and ZeRO "
+                       "reduce whole gradients in buckets before any step): drop --gpus, --sharding and --offload, "
+                       "or drop --optimizer-in-backward")
+
+
 def make_layout(spec: ModelSpec, w: Workload, *, gpus: int = 1, tp: int = 1, pp: int = 1, sharding: str | None = None,
                 offload: str = "none", pp_schedule: str = "1f1b", engine: str = "deepspeed") -> Layout:
     """The layout of `llamem estimate --gpus/--tp/--pp/--sharding/--offload/--engine`, checked; every
@@ -155,6 +160,8 @@ def make_layout(spec: ModelSpec, w: Workload, *, gpus: int = 1, tp: int = 1, pp:
         problems.append(f"--engine {engine}: choose {' or '.join(ENGINES)}")
     elif engine == "fsdp2":
         problems += fsdp2_problems(w, tp=tp, pp=pp, sharding=sharding, offload=offload)
+    if w.optimizer_in_backward and (gpus > 1 or sharding not in (None, "none") or offload != "none"):
+        problems.append(IN_BACKWARD_ONE_GPU)
     if problems:
         raise InvalidWorkload(problems)
     dp = gpus // (tp * pp)
@@ -421,7 +428,7 @@ def fsdp2_phases(spec: ModelSpec, w: Workload, layout: Layout) -> dict[str, dict
     temporaries = shards if w.optimizer == "adamw" else 0  # foreach AdamW's sqrt, one per shard
     return {"load": {"weights": state["weights"]}, "forward": forward,
             "backward": max(moments, key=lambda m: sum(m.values())),
-            "optimizer": _add(state, {"gradients": grads, "temporaries": temporaries})}
+            "optimizer": add_breakdowns(state, {"gradients": grads, "temporaries": temporaries})}
 
 
 def _fsdp2_loss_moments(spec: ModelSpec, compute: Workload, units: list[Fsdp2Unit], root: Fsdp2Unit | None,
@@ -432,9 +439,9 @@ def _fsdp2_loss_moments(spec: ModelSpec, compute: Workload, units: list[Fsdp2Uni
     the loss backward."""
     activations, logits = training_activations(spec, compute), training_logits(spec, compute)
     first = root or units[0]
-    forward = _add(base, {"weights/gathered": first.gathered_bytes + units[0].buffer_bytes,
+    forward = add_breakdowns(base, {"weights/gathered": first.gathered_bytes + units[0].buffer_bytes,
                           "activations": activations.forward, "logits": logits.forward_peak})
-    loss_backward = _add(base, {"weights/gathered": first.gathered_bytes + (units[0].buffer_bytes if root else 0),
+    loss_backward = add_breakdowns(base, {"weights/gathered": first.gathered_bytes + (units[0].buffer_bytes if root else 0),
                                 "activations": activations.backward, "logits": logits.backward_peak})
     return forward, loss_backward
 
@@ -458,18 +465,18 @@ def _fsdp2_unit_moments(units: list[Fsdp2Unit], root: Fsdp2Unit | None, base: di
     for index, u in enumerate(units):
         prefetched = units[index + 1].buffer_bytes if index + 1 < len(units) else 0
         below -= u.kept_bytes
-        before = _add(base, held, {"gradients": done, "gradients/reduce_scatter": rs_held,
+        before = add_breakdowns(base, held, {"gradients": done, "gradients/reduce_scatter": rs_held,
                                    "activations": below + u.saved_bytes})
         if index or root:  # the untied head stays gathered from forward: no copy-out
-            moments.append(_add(before, {"weights/gathered": u.gathered_bytes + u.buffer_bytes}))
-        moments.append(_add(before, {"weights/gathered": u.gathered_bytes + prefetched,
+            moments.append(add_breakdowns(before, {"weights/gathered": u.gathered_bytes + u.buffer_bytes}))
+        moments.append(add_breakdowns(before, {"weights/gathered": u.gathered_bytes + prefetched,
                                      "gradients/unsharded": u.grads_bytes}))
-        moments.append(_add(base, held, {"gradients": done + u.grad_shard_bytes, "activations": below,
+        moments.append(add_breakdowns(base, held, {"gradients": done + u.grad_shard_bytes, "activations": below,
                                          "gradients/reduce_scatter": u.rs_input_bytes,
                                          "gradients/unsharded": u.last_grad_bytes, "weights/gathered": prefetched}))
         done += 0 if accumulated else u.grad_shard_bytes
         rs_held = u.rs_input_bytes
-    moments.append(_add(base, {"gradients": done, "gradients/reduce_scatter": rs_held}))
+    moments.append(add_breakdowns(base, {"gradients": done, "gradients/reduce_scatter": rs_held}))
     return moments
 
 
@@ -478,19 +485,11 @@ def _fsdp2_root_moments(spec: ModelSpec, w: Workload, root: Fsdp2Unit, base: dic
     """Tied embeddings: the embedding's backward adds its gradient to the head's out of place (three
     V x h gradients for a moment), then the root reduces, its parameters resharded."""
     tied = r512(DTYPE_BYTES[w.compute_dtype] * spec.vocab_size * spec.hidden_size)
-    summing = _add(after_layers, {"weights/gathered": root.gathered_bytes,
+    summing = add_breakdowns(after_layers, {"weights/gathered": root.gathered_bytes,
                                   "gradients/unsharded": root.grads_bytes + 2 * tied})
-    reduce = _add(base, {"gradients": after_layers.get("gradients", 0) + root.grad_shard_bytes,
+    reduce = add_breakdowns(base, {"gradients": after_layers.get("gradients", 0) + root.grad_shard_bytes,
                          "gradients/reduce_scatter": root.rs_input_bytes,
                          "gradients/unsharded": root.last_grad_bytes})
     return [summing, reduce]
 
 
-def _add(*parts: dict[str, int]) -> dict[str, int]:
-    """Category-wise sum of breakdowns (zero entries left out)."""
-    out: dict[str, int] = {}
-    for part in parts:
-        for key, value in part.items():
-            if value:
-                out[key] = out.get(key, 0) + value
-    return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -36,9 +37,10 @@ from llamem.model import ModelSpec
 from llamem.overhead import non_torch_bytes
 from llamem.parallel import (Layout, check_layout, fsdp2_problems, host_bytes, per_gpu_phases, shard_spec,
                              with_engine)
-from llamem.techniques import (AC_CHOICES, BY_NAME, LADDER_ORDER, LAYOUT_REASON, LAYOUT_TITLE, PREFILL_CHUNKS,
-                               TRUNCATION_TIER, SearchContext, technique_variants, time_factor, workload_args)
-from llamem.units import format_gib
+from llamem.techniques import (BY_NAME, LADDER_ORDER, LAYOUT_REASON, LAYOUT_TITLE, PREFILL_CHUNKS,
+                               TRUNCATION_TIER, SearchContext, ac_settings, technique_variants, time_factor,
+                               workload_args)
+from llamem.units import format_bytes, format_gib
 from llamem.workload import Workload
 
 SEARCH_FRAGMENTATION = 0.05
@@ -99,7 +101,8 @@ class Candidate:
 
     @property
     def rank(self) -> tuple:
-        return self.tier, self.seconds_per_token, self.numerics, self.device_bytes
+        # On a tie in time, a plan without a new dependency (Liger's kernels) comes first.
+        return self.tier, self.seconds_per_token, self.numerics, self.workload.liger, self.device_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,10 +129,16 @@ class Space:
     """How `llamem estimate` names this model (a preset, or --config PATH, and --override items)."""
     engine: str = "any"
     """Who runs the plan (`ENGINES`)."""
+    runnable: Callable[[ModelSpec, Workload, Layout], bool] | None = None
+    """With `llamem plan --emit`: only the configurations its launch bundle runs
+    (`llamem.bundle.emit.bundle_runs`); None keeps every configuration."""
 
     @property
     def context(self) -> SearchContext:
-        return SearchContext(bf16=self.gpu.bf16, fp8=self.gpu.fp8, num_layers=self.spec.num_layers)
+        from llamem.analytic.compiled import COMPILED_MODEL_TYPES
+
+        return SearchContext(bf16=self.gpu.bf16, fp8=self.gpu.fp8, num_layers=self.spec.num_layers,
+                             compile_sized=self.spec.model_type in COMPILED_MODEL_TYPES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +168,8 @@ class Plan:
     engine: str = "any"
     megatron_args: tuple[str, ...] = ()
     """With `engine="megatron"`: the Megatron-LM arguments of the final configuration."""
+    advice: str | None = None
+    """What to change when nothing fits, where more GPUs are not the answer (None: the usual advice)."""
 
     @property
     def relative_step_time(self) -> float:
@@ -179,11 +190,18 @@ def evaluate(space: Space, w: Workload, layout: Layout, tier: int = 0, numerics:
              margin: float = SEARCH_FRAGMENTATION) -> Candidate:
     allocated = _allocated_bytes(space.spec, w, layout, space.teacher)
     device = int(allocated * (1 + margin)) + non_torch_bytes(layout.num_gpus)
-    seconds = step_seconds(space.spec, w, layout, space.gpu) * time_factor(w)
+    seconds = step_seconds(space.spec, w, layout, space.gpu) * time_factor(w) * stages_in_turn(w, layout)
     local_params = shard_spec(space.spec, layout).num_params
     host = host_bytes(layout, local_params, min(layout.num_gpus, space.gpu.gpus_per_node))
     return Candidate(workload=w, layout=layout, allocated_bytes=allocated, device_bytes=device, seconds=seconds,
                      tier=tier, numerics=numerics, host_bytes=host)
+
+
+def stages_in_turn(w: Workload, layout: Layout) -> int:
+    """Generation passes its one batch through pipeline stages (a device_map) one after another: the cost
+    model's split of the work over every GPU holds for tensor parallel and replicas, not for the stages,
+    of which one works at a time."""
+    return 1 if w.is_training else layout.pp
 
 
 @lru_cache(maxsize=65536)
@@ -308,15 +326,32 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]), reverse=True)
 
 
-def memory_knobs(space: Space, w: Workload) -> list[tuple[dict, bool]]:
+def memory_knobs(space: Space, w: Workload, changes: dict | None = None) -> list[tuple[dict, bool]]:
     """(settings, whether they cost time) that trade a little time for memory, cheapest first:
     checkpointing and the chunked loss for training, chunked prefill for generation."""
     if not w.is_training:
         chunks = [0] + [c for c in PREFILL_CHUNKS if 0 < c < w.seq]
         return [({"prefill_chunk": c}, c > 0) for c in chunks]
-    ac_choices = [a for a in AC_CHOICES if a == 0 or a <= space.spec.num_layers]
-    return [({"loss": loss, "ac_every": ac}, loss != "full" or ac > 0)
-            for loss, ac in itertools.product(["full", "chunked"], ac_choices)]
+    # Megatron-LM recomputes whole layers (its "selective" recomputes attention only, another policy).
+    # (`--compile` is not sized with selective checkpointing: those pairs are left out here rather
+    # than built and refused, which the search would do tens of thousands of times.)
+    compiled = (changes or {}).get("compile", w.compile)
+    full_only = space.engine == "megatron" or compiled
+    settings = [a for a in ac_settings(space.spec.num_layers) if not full_only or a["ac_mode"] == "full"]
+    losses = [loss for loss in loss_settings(w) if not (compiled and loss.get("liger"))]
+    return [({**loss, **ac}, loss != {"loss": "full"} or ac["ac_every"] > 0)
+            for loss, ac in itertools.product(losses, settings)]
+
+
+def loss_settings(w: Workload) -> list[dict]:
+    """How the head and loss run, least change first: whole, Liger's fused linear cross-entropy (the
+    logits never exist; not for distillation, whose KL term needs them), or torchtune's chunked loss.
+    A knob rather than a structural variant: it halves the search, and like the chunked loss it is
+    tried only as far as needed."""
+    if w.liger:
+        return [{"loss": "full"}]
+    liger = [{"loss": "full", "liger": True}] if w.task != "distill" else []
+    return [{"loss": "full"}] + liger + [{"loss": "chunked"}]
 
 
 def candidates(space: Space, w: Workload, num_gpus: int, *, margin: float = SEARCH_FRAGMENTATION,
@@ -328,14 +363,18 @@ def candidates(space: Space, w: Workload, num_gpus: int, *, margin: float = SEAR
         for micro, accum in replica_shares(w, layout.dp, fixed_micro_batch):
             # Under pipeline parallelism the accumulation steps are its micro-batches.
             local = dataclasses.replace(layout, microbatches=accum) if layout.pp > 1 else layout
+            if variant.changes.get("optimizer_in_backward") and (accum > 1 or not single_device(local)):
+                continue  # no accumulation, one GPU (`llamem.parallel.IN_BACKWARD_ONE_GPU`): refused if built
             found = False
-            for options, costs_time in memory_knobs(space, w):
+            for options, costs_time in memory_knobs(space, w, variant.changes):
                 try:
                     shaped = dataclasses.replace(w, **variant.changes, **options, batch=micro, grad_accum=accum)
                 except InvalidWorkload:
                     continue
                 run = engine_layout(space.engine, local, shaped)
-                if run is None:
+                if shaped.optimizer_in_backward and not single_device(local):
+                    continue  # the user's own --optimizer-in-backward on a layout of several GPUs
+                if run is None or (space.runnable is not None and not space.runnable(space.spec, shaped, run)):
                     continue
                 c = evaluate(space, shaped, run, variant.tier, variant.numerics, margin)
                 yield c
@@ -347,6 +386,10 @@ def candidates(space: Space, w: Workload, num_gpus: int, *, margin: float = SEAR
             # parallelism, where more micro-batches shrink the bubble.
             if found and layout.pp == 1:
                 break
+
+
+def single_device(layout: Layout) -> bool:
+    return layout.dp * layout.tp * layout.pp == 1 and layout.sharding == "none" and layout.offload == "none"
 
 
 def acceptable(space: Space, c: Candidate, rejected: frozenset = frozenset()) -> bool:
@@ -601,14 +644,16 @@ def _layout_step(current: Workload, layout: Layout, target: Layout):
 def make_plan(spec: ModelSpec, w: Workload, gpu: GPU, *, num_gpus: int = 1, host_budget_bytes: int,
               teacher: ModelSpec | None = None, maximize_what: str | None = None, min_gpus: bool = False,
               max_gpus: int = 1024, exact: bool = False, truncate: bool = True,
-              model_args: tuple[str, ...] = (), engine: str = "any") -> Plan:
+              model_args: tuple[str, ...] = (), engine: str = "any",
+              runnable: Callable[[ModelSpec, Workload, Layout], bool] | None = None) -> Plan:
     """`exact`: only changes that keep the numerics (tier 0). `truncate`: when nothing fits, shorten
     the sequences as a last resort (not with `min_gpus`, where more GPUs are the answer). `engine`:
-    only the layouts that engine runs (`ENGINES`)."""
+    only the layouts that engine runs (`ENGINES`). `runnable`: only the configurations it accepts
+    (`Space.runnable`)."""
     check_engine(engine, w)
     space = Space(spec=spec, gpu=gpu, host_budget_bytes=host_budget_bytes, teacher=teacher,
-                  max_tier=0 if exact else 1, model_args=model_args, engine=engine)
-    maximized = None
+                  max_tier=0 if exact else 1, model_args=model_args, engine=engine, runnable=runnable)
+    maximized, capped = None, False
     if maximize_what:
         value, found = maximize(space, w, num_gpus, maximize_what)
         maximized = {"what": maximize_what, "value": value}
@@ -616,11 +661,12 @@ def make_plan(spec: ModelSpec, w: Workload, gpu: GPU, *, num_gpus: int = 1, host
             found = best(space, with_size(w, maximize_what, 1), num_gpus, fixed_micro_batch=maximize_what == "batch")
             found = dataclasses.replace(found, best=None)
     else:
-        found, num_gpus = _search_counts(space, w, num_gpus, max_gpus if min_gpus else None)
+        found, num_gpus, capped = _search_counts(space, w, num_gpus, max_gpus if min_gpus else None)
         if found.best is None and truncate and not min_gpus and w.seq > 1:
             chosen, evaluated = shortened(space, w, num_gpus)
             found = Found(best=chosen, closest=found.closest, evaluated=found.evaluated + evaluated)
-    return _assemble(space, w, num_gpus, found, maximized)
+    plan = _assemble(space, w, num_gpus, found, maximized)
+    return _capped(space, w, plan) if capped else plan
 
 
 def check_engine(engine: str, w: Workload) -> None:
@@ -634,27 +680,30 @@ def check_engine(engine: str, w: Workload) -> None:
                          "--engine any, fsdp2, deepspeed, accelerate or trainer")
 
 
-def _search_counts(space: Space, w: Workload, num_gpus: int, max_gpus: int | None) -> tuple[Found, int]:
-    """The search on the given GPUs, or with `max_gpus`, on 1, 2, 4, ... until one fits."""
+def _search_counts(space: Space, w: Workload, num_gpus: int, max_gpus: int | None) -> tuple[Found, int, bool]:
+    """The search on the given GPUs, or with `max_gpus`, on 1, 2, 4, ... until one fits, and whether
+    that search was capped: nothing fits, and beyond the count returned (the largest with a
+    configuration to show) no layout takes the workload at all, whatever the GPUs hold."""
     counts = [n for n in GPU_COUNTS if n <= max_gpus] if max_gpus else [num_gpus]
-    evaluated = 0
+    evaluated, reachable = 0, None
     for count in counts:
         found = best(space, w, count)
         evaluated += found.evaluated
         if found.best is not None:
             break
-    return dataclasses.replace(found, evaluated=evaluated), count
+        if found.closest is not None:
+            reachable = (found, count)
+    capped = found.best is None and found.closest is None and reachable is not None and count != reachable[1]
+    if capped:
+        found, count = reachable
+    return dataclasses.replace(found, evaluated=evaluated), count, capped
 
 
 def _assemble(space: Space, w: Workload, num_gpus: int, found: Found, maximized: dict | None) -> Plan:
     final = found.best or found.closest
     if final is None:
-        why = " ".join(_batch_notes(space, w, num_gpus)) or (
-            f"no layout of {num_gpus} GPUs suits the model's {space.spec.num_heads} heads and "
-            f"{space.spec.num_layers} layers: try another --gpus") if space.engine == "any" else (
-            f"no layout of {num_gpus} GPUs that --engine {space.engine} runs suits this workload: try another "
-            "--engine or --gpus")
-        raise DoesNotFit(f"no configuration of {space.spec.name} can run on {num_gpus} x {space.gpu.name}: {why}")
+        raise DoesNotFit(f"no configuration of {space.spec.name} can run on {num_gpus} x {space.gpu.name}: "
+                         f"{_no_layout_reason(space, w, num_gpus)}")
     start = _start(space, w, num_gpus, final, maximized)
     notes = _batch_notes(space, w, num_gpus)
     if found.best is None and final.host_bytes > space.host_budget_bytes:
@@ -662,13 +711,91 @@ def _assemble(space: Space, w: Workload, num_gpus: int, found: Found, maximized:
                      f"(budget {format_gib(space.host_budget_bytes)}, set with --host-memory)")
     if found.best is not None and final.tier >= TRUNCATION_TIER:
         notes.append(_truncation_note(w, final.workload))
-    notes += _engine_notes(space.engine)
+    notes += _engine_notes(space.engine) + _fsdp2_adapter_notes(space, w, num_gpus)
+    if found.best is not None:
+        notes += _generation_notes(space, final)
+    if space.runnable is not None and found.best is None:
+        notes.append("with --emit the search keeps only the configurations its launch bundle runs: without --emit "
+                     "others may fit")
     notes.append(f"{found.evaluated} configurations evaluated")
     return Plan(model=space.spec, gpu=space.gpu, num_gpus=num_gpus, fits=found.best is not None, start=start,
                 final=final, steps=ladder(space, start, final), command=command(space, final.workload, final.layout),
                 shortfall_bytes=0 if found.best else excess(space, final), maximized=maximized,
                 host_budget_bytes=space.host_budget_bytes, notes=tuple(notes), engine=space.engine,
                 megatron_args=megatron_args(space.spec, final) if space.engine == "megatron" else ())
+
+
+def _fsdp2_adapter_notes(space: Space, w: Workload, num_gpus: int) -> list[str]:
+    """LoRA on several GPUs under an engine that runs ZeRO-3 as FSDP2: FSDP2 over a peft model is not sized
+    (`fsdp2_problems`), so those layouts were left out; say so rather than leave them out silently."""
+    if num_gpus == 1 or not w.uses_adapters or space.engine not in ("fsdp2", "accelerate", "trainer"):
+        return []
+    others = "DDP" if space.engine == "fsdp2" else "DDP and DeepSpeed's ZeRO-1/2 and offload"
+    task = {"lora": "LoRA", "qlora": "QLoRA"}.get(w.task, w.task)
+    return [f"FSDP2 over a {task} model is not sized by llamem, so --engine {space.engine} planned {others} "
+            "only: --engine deepspeed plans its ZeRO-3"]
+
+
+def _generation_notes(space: Space, final: Candidate) -> list[str]:
+    """Generation on several GPUs as one replica: the model split by layers (transformers' device_map, the
+    GPUs one after another) against tensor parallel (tp_plan, every GPU on every token), each sized per GPU
+    and timed, whichever the plan chose."""
+    w, n = final.workload, final.layout.num_gpus
+    if w.is_training or n == 1 or final.layout.dp > 1:
+        return []
+    options = {f"device_map (layers split over {n} GPUs, one busy at a time)": Layout(pp=n),
+               f"tensor parallel x{n} (tp_plan, every GPU on every token)": Layout(tp=n)}
+    sized = {}
+    for name, layout in options.items():
+        problems = check_layout(space.spec, layout) + (
+            [f"tensor parallel stays in a node of {space.gpu.gpus_per_node} GPUs"] if n > space.gpu.gpus_per_node
+            and layout.tp > 1 else [])
+        sized[name] = problems[0] if problems else confirm(space, evaluate(space, w, layout))
+    reference = next(iter(sized.values()))
+    parts = []
+    for name, c in sized.items():
+        if isinstance(c, str):
+            parts.append(f"{name}: not possible ({c})")
+            continue
+        timing = (f", x{c.seconds / reference.seconds:.2f} the time" if isinstance(reference, Candidate)
+                  and c is not reference else "")
+        fits = "" if c.fits(space.gpu, space.host_budget_bytes) else ", does not fit"
+        parts.append(f"{name}: {format_gib(c.device_bytes)} per GPU{timing}{fits}")
+    return ["generation on several GPUs, " + "; ".join(parts)]
+
+
+DATA_PARALLEL_ENGINES = ("fsdp2", "deepspeed", "accelerate", "trainer")
+"""Engines whose every layout replicates the model: each GPU is a data-parallel replica."""
+
+
+def _no_layout_reason(space: Space, w: Workload, num_gpus: int) -> str:
+    """Why no configuration at all was tried on `num_gpus` GPUs, with the setting to change."""
+    batch = " ".join(_batch_notes(space, w, num_gpus))
+    if batch and space.engine in DATA_PARALLEL_ENGINES:
+        return (f"{batch}; --engine {space.engine} splits only the batch (every GPU is a data-parallel replica): "
+                "--engine any also splits the model (tensor and pipeline parallelism)")
+    if batch:
+        return batch
+    if space.engine == "any":
+        return (f"no layout of {num_gpus} GPUs suits the model's {space.spec.num_heads} heads and "
+                f"{space.spec.num_layers} layers: try another --gpus")
+    return (f"no layout of {num_gpus} GPUs that --engine {space.engine} runs suits this workload: try another "
+            "--engine or --gpus")
+
+
+def _capped(space: Space, w: Workload, plan: Plan) -> Plan:
+    """A `--min-gpus` plan that nothing fits, where beyond `plan.num_gpus` GPUs no layout takes the global
+    batch: the batch, not the GPUs, is the limit, and the advice says so."""
+    total = w.batch * w.grad_accum if w.is_training else w.batch
+    engine = f" that --engine {space.engine} runs" if space.engine != "any" else ""
+    cause = (f"--min-gpus stopped at {plan.num_gpus} GPU{'s' if plan.num_gpus > 1 else ''}: no layout of more "
+             f"GPUs{engine} divides the global batch ({total} per step, --batch x --grad-accum) among its "
+             "data-parallel replicas")
+    advice = "raise --batch or --grad-accum so that more replicas share the batch"
+    if space.engine in DATA_PARALLEL_ENGINES:
+        advice += f", or plan with --engine any, which also splits the model (--engine {space.engine} only the batch)"
+    notes = plan.notes[:-1] + (cause,) + plan.notes[-1:]
+    return dataclasses.replace(plan, notes=notes, advice=f"{cause}: {advice}")
 
 
 def _engine_notes(engine: str) -> list[str]:
@@ -738,13 +865,31 @@ def _truncation_note(w: Workload, final: Workload) -> str:
             "use --no-truncation to get the shortfall instead")
 
 
+def shortfalls(plan: Plan) -> dict[str, int]:
+    """What the closest configuration lacks: `device_bytes` on each GPU, `host_bytes` of host memory for
+    offload (over --host-memory); their sum is `plan.shortfall_bytes`."""
+    return {"device_bytes": max(0, plan.final.device_bytes - plan.gpu.memory_bytes),
+            "host_bytes": max(0, plan.final.host_bytes - plan.host_budget_bytes)}
+
+
+def shortfall_text(plan: Plan) -> str:
+    """The closest configuration's needs and what each is over, e.g. "needs 31.13 GiB per GPU (fits the
+    card) and 179.49 GiB of host memory for offload, 9.49 GiB over --host-memory (170.00 GiB)"."""
+    short = shortfalls(plan)
+    device = (f"{format_bytes(short['device_bytes'])} over the card" if short["device_bytes"] else "fits the card")
+    text = f"needs {format_gib(plan.final.device_bytes)} per GPU ({device})"
+    if short["host_bytes"]:
+        text += (f" and {format_gib(plan.final.host_bytes)} of host memory for offload, "
+                 f"{format_bytes(short['host_bytes'])} over --host-memory ({format_gib(plan.host_budget_bytes)})")
+    return text
+
+
 def does_not_fit(plan: Plan) -> DoesNotFit:
-    where = "the card" if plan.final.device_bytes > plan.gpu.memory_bytes else "host memory for offload"
-    return DoesNotFit(f"nothing fits {plan.num_gpus} x {plan.gpu.name}: the closest configuration needs "
-                      f"{format_gib(plan.final.device_bytes)} per GPU and is {format_gib(plan.shortfall_bytes)} "
-                      f"over ({where}); try more GPUs (--gpus N or --min-gpus), a larger card, more --host-memory, "
-                      "or a smaller batch or sequence", best_plan=plan, shortfall_bytes=plan.shortfall_bytes)
+    advice = plan.advice or ("try more GPUs (--gpus N or --min-gpus), a larger card, more --host-memory, or a "
+                             "smaller batch or sequence")
+    return DoesNotFit(f"nothing fits {plan.num_gpus} x {plan.gpu.name}: the closest configuration "
+                      f"{shortfall_text(plan)}; {advice}", best_plan=plan, shortfall_bytes=plan.shortfall_bytes)
 
 
 __all__ = ["ENGINES", "make_plan", "Plan", "Candidate", "Step", "Space", "Found", "best", "maximize", "confirm",
-           "evaluate", "command", "does_not_fit", "split_factor", "megatron_args"]
+           "evaluate", "command", "does_not_fit", "shortfalls", "shortfall_text", "split_factor", "megatron_args"]

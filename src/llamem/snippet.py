@@ -10,6 +10,7 @@ instead of being faked.
 
 from __future__ import annotations
 
+from llamem.model import HF_CLASSES
 from llamem.plan import Plan, split_factor
 from llamem.techniques import Code, workload_code
 
@@ -23,6 +24,7 @@ def plan_code(plan: Plan, model_id: str | None = None) -> str:
     if deepspeed:
         code.training_args.append(f"deepspeed={deepspeed}")
         code.packages.append("deepspeed")
+    code.training_args += _fsdp2(plan)
     model_id = model_id or plan.model.hf_id or plan.model.name
     lines = [f"# pip install {' '.join(code.packages)}", "import torch",
              "from transformers import " + ", ".join(["AutoModelForCausalLM", "AutoTokenizer", *code.imports])]
@@ -34,7 +36,7 @@ def plan_code(plan: Plan, model_id: str | None = None) -> str:
     if not w.is_training:
         return "\n".join(lines + load + _generation_lines(w, code)) + "\n"
     arguments = "args = TrainingArguments(" + ", ".join(['output_dir="out"', *_ordered(code.training_args)]) + ")"
-    if plan.final.layout.sharding == "zero3":
+    if deepspeed and plan.final.layout.sharding == "zero3":
         lines += ["# TrainingArguments first: with ZeRO-3 set, from_pretrained loads each weight into its shard.",
                   arguments] + load + code.after_load + code.comments
     else:
@@ -63,9 +65,20 @@ def _add_truncation(plan: Plan, code: Code) -> None:
                        f"MAX_LENGTH = {w.seq}"]
 
 
+def _fsdp2(plan: Plan) -> list[str]:
+    """The Trainer's FSDP2 settings for a layout sized as FSDP2 runs it: `fully_shard` per decoder layer
+    (transformers' `fsdp_config`, version 2), bf16 or fp16 compute from the precision's own argument."""
+    layout = plan.final.layout
+    if layout.engine != "fsdp2" or layout.sharding != "zero3":
+        return []
+    decoder = HF_CLASSES[plan.model.model_type][2]
+    return ["fsdp=True", 'fsdp_config={"version": 2, "reshard_after_forward": True, '
+            f'"transformer_layer_cls_to_wrap": ["{decoder}"]}}']
+
+
 def _deepspeed(plan: Plan) -> str:
     layout = plan.final.layout
-    if layout.sharding not in ("zero1", "zero2", "zero3"):
+    if layout.sharding not in ("zero1", "zero2", "zero3") or layout.engine == "fsdp2":
         return ""
     zero = [f'"stage": {layout.sharding[-1]}']
     if layout.offload != "none":
@@ -85,9 +98,10 @@ def _launch_lines(plan: Plan) -> list[str]:
     if layout.num_gpus > 1:
         per_node = min(layout.num_gpus, plan.gpu.gpus_per_node)
         nodes = -(-layout.num_gpus // per_node)
-        zero = " with DeepSpeed ZeRO above" if layout.sharding.startswith("zero") else ""
+        wrapper = ("FSDP2 with the fsdp_config above" if layout.engine == "fsdp2" else
+                   f"DeepSpeed ZeRO-{layout.sharding[-1]} above" if layout.sharding.startswith("zero") else "DDP")
         lines.append(f"# Launch on {layout.num_gpus} GPUs: torchrun --nnodes {nodes} --nproc_per_node {per_node} "
-                     f"(one process per GPU; DDP{zero}).")
+                     f"(one process per GPU; {wrapper}).")
     if layout.tp > 1 or layout.pp > 1:
         lines.append(f"# Tensor parallel x{layout.tp}, pipeline parallel x{layout.pp} ({layout.pipeline_schedule}, "
                      f"{layout.microbatches} micro-batches): the Trainer does not split layers; the memory above "

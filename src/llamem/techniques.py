@@ -18,18 +18,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from llamem.workload import FIELD_TASKS, LORA_TARGETS_DEFAULT, Workload, ac_label
+from llamem.workload import FIELD_TASKS, LORA_TARGETS_DEFAULT, Workload
 
 CHUNKED_LOSS_COST = 0.02
 """torchtune's chunked loss runs the head per chunk: assumed 2 % slower (no measurement yet)."""
 CHUNKED_PREFILL_COST = 0.02
 """Chunked prefill runs smaller matmuls and masked attention: assumed 2 % slower (no measurement yet)."""
-AC_CHOICES = (0, 4, 2, 1)
-"""Checkpointing every K layers, cheapest first: none, every 4th, every 2nd, every layer."""
+COMPILE_TIME_FACTOR = 0.85
+"""An assumption, not a measurement: a compiled training step takes 0.85 of the eager step's time (15 %
+faster, from inductor's fused pointwise kernels). torchtitan's and torchtune's published Llama runs
+report throughput gains of this order with `torch.compile`; the real gain depends on the model, the
+shape and the card, and the first steps' compilation time is not counted."""
+AC_CHOICES = ((0, "full"), (4, "selective"), (2, "selective"), (4, "full"), (1, "selective"), (2, "full"),
+              (1, "full"))
+"""(every K layers, mode) the planner tries, least recompute first (`ac_settings`)."""
 PREFILL_CHUNKS = (0, 8192, 2048, 512)
 """Prefill chunk sizes the planner tries; 512 is the smallest: below it the matmuls stop filling a GPU."""
 TORCH_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
-TRAINER_OPTIMIZERS = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
+TRAINER_OPTIMIZERS = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-loop": "adamw_torch",
+                      "adamw8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
+"""The Trainer's `optim` for each `--optimizer` (its adamw_torch runs torch's foreach step on a GPU; the
+for-loop step is not a Trainer choice: the snippet says how to pass one)."""
+LIGER_LOSS_COST = 0.0
+"""An assumption, not a measurement: Liger's fused linear cross-entropy is taken as fast as the plain
+head and loss (Liger reports it faster; llamem has not timed it)."""
+OPTIMIZER_IN_BACKWARD_COST = 0.02
+"""An assumption, not a measurement: stepping one parameter at a time inside backward (a small
+kernel launch per tensor, no multi-tensor batching) is taken as 2 % slower per step."""
 KV_CACHE_CONFIGS = {"fp8": '{"backend": "fp8"}', "int8": '{"backend": "hqq", "nbits": 8}',
                     "int4": '{"backend": "quanto", "nbits": 4}'}
 """Quantized KV caches as transformers' QuantizedCache builds them (KIVI-style for the integer ones)."""
@@ -72,6 +87,8 @@ class SearchContext:
     bf16: bool = True
     fp8: bool = True
     num_layers: int = 1
+    compile_sized: bool = True
+    """Whether the analytic engine sizes `--compile` for this model type (`analytic.compiled`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,8 +226,58 @@ def _kv_variants(w: Workload, ctx: SearchContext) -> list[Variant]:
 def _ac_code(w: Workload, code: Code) -> None:
     if w.ac_every:
         every = f', "every_n_layers": {w.ac_every}' if w.ac_every > 1 else ""
+        selective = ', "early_stop": False, "context_fn": selective_ac_context' if w.selective_ac else ""
         code.training_args += ["activation_checkpointing=True",
-                               'activation_checkpointing_kwargs={"use_reentrant": False' + every + "}"]
+                               'activation_checkpointing_kwargs={"use_reentrant": False' + selective + every + "}"]
+    if w.selective_ac:
+        code.after_load += SELECTIVE_AC_CODE
+
+
+SELECTIVE_AC_CODE = [
+    "# torchtitan's SelectiveAC policy (torchtitan/distributed/activation_checkpoint.py): keep the outputs of",
+    "# matmuls and attention, recompute the rest and every second matmul of each checkpointed layer.",
+    "from torch._functorch.partitioners import get_default_op_list",
+    "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts",
+    "SAVE_OPS = {op.default for op in get_default_op_list().compute_intensive_ops} | {",
+    "    torch.ops.aten._scaled_dot_product_attention_math.default, torch.ops.aten.linear.default}",
+    "def selective_ac_context():",
+    "    counts = {False: 0, True: 0}",
+    "    def policy(ctx, func, *args, **kwargs):",
+    "        if func in (torch.ops.aten.mm.default, torch.ops.aten.linear.default):",
+    "            counts[ctx.is_recompute] += 1",
+    "            if counts[ctx.is_recompute] % 2 == 0:",
+    "                return CheckpointPolicy.PREFER_RECOMPUTE",
+    "        return CheckpointPolicy.MUST_SAVE if func in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE",
+    "    return create_selective_checkpoint_contexts(policy)",
+]
+"""The policy as a script writes it (`llamem.trace.selective` is the traced version)."""
+
+
+def ac_settings(num_layers: int) -> list[dict]:
+    """The checkpointing settings the planner tries on a model of `num_layers` layers, least recompute
+    first: none, selective on every 4th and 2nd layer, full on every 4th, selective on every layer,
+    full on every 2nd, full on every layer. Selective recomputes about a third of a layer's matmul
+    FLOPs (its 2nd, 4th and 6th matmuls: k, o and up), full all of them."""
+    return [{"ac_every": every, "ac_mode": mode} for every, mode in AC_CHOICES if every <= num_layers]
+
+
+def _compile_code(w: Workload, code: Code) -> None:
+    if w.compile:
+        code.training_args.append("torch_compile=True")
+        code.comments.append("# Without the Trainer: model = torch.compile(model) (the chunked loss: compile the "
+                             "decoder, model.model).")
+
+
+def _compile_variants(w: Workload, ctx: SearchContext) -> list[Variant]:
+    """Tried where `--compile` is sized (`workload._compile_problems`), as tier 1: inductor's fused
+    kernels round differently from eager (not bit-identical), so `--exact` leaves it out, and, being
+    assumed faster (`COMPILE_TIME_FACTOR`), a tier-0 compile would join every plan, needed or not.
+    It enters a plan when no exact change fits, before the precision- and state-changing ones."""
+    if w.compile or w.task not in ("train", "lora", "qlora") or w.attn != "sdpa" or w.selective_ac or not ctx.compile_sized:
+        return [Variant({}, 0)]
+    if w.liger or w.optimizer_in_backward:
+        return [Variant({}, 0)]
+    return [Variant({}, 0), Variant({"compile": True}, 1)]
 
 
 def _loss_code(w: Workload, code: Code) -> None:
@@ -224,6 +291,40 @@ def _optimizer_code(w: Workload, code: Code) -> None:
         code.training_args.append(f'optim="{TRAINER_OPTIMIZERS[w.optimizer]}"')
         if w.optimizer == "adamw8bit":
             code.packages.append("bitsandbytes")
+        if w.optimizer == "adamw-loop":
+            code.comments.append("# AdamW's for-loop step is not a Trainer choice (adamw_torch is foreach on a GPU): pass "
+                                 "Trainer(optimizers=(torch.optim.AdamW(model.parameters(), foreach=False), None)).")
+
+
+def _clipping_code(w: Workload, code: Code) -> None:
+    if w.is_training and w.max_grad_norm != 1.0:
+        code.training_args.append(f"max_grad_norm={w.max_grad_norm:g}")
+
+
+def _liger_code(w: Workload, code: Code) -> None:
+    if w.liger:
+        code.packages.append("liger-kernel")
+        code.training_args += ["use_liger_kernel=True",
+                               'liger_kernel_config={"fused_linear_cross_entropy": True, "rms_norm": False, '
+                               '"swiglu": False, "rope": False, "cross_entropy": False}']
+
+
+def _in_backward_code(w: Workload, code: Code) -> None:
+    _clipping_code(w, code)
+    if w.optimizer_in_backward:
+        code.comments.append("# The optimizer step in backward is not a Trainer option: torchtune's "
+                             "`optimizer_in_bwd: True` (one optimizer per parameter, stepped by "
+                             "param.register_post_accumulate_grad_hook; no clipping, no accumulation).")
+
+
+def _in_backward_variants(w: Workload, ctx: SearchContext) -> list[Variant]:
+    """Stepping in backward drops clipping, so it changes the numerics (tier 1); it needs every
+    micro-batch stepped on its own (no accumulation). Offered for full fine-tuning only, where the
+    gradients are as large as the weights (torchtune's full fine-tuning recipes offer it; adapters'
+    gradients are too small to be worth a search twice as long)."""
+    if w.optimizer_in_backward or w.grad_accum > 1 or w.task != "train":
+        return [Variant({}, 0)]
+    return [Variant({}, 0), Variant({"optimizer_in_backward": True, "max_grad_norm": 0.0}, 1)]
 
 
 def _optimizer_variants(w: Workload, ctx: SearchContext) -> list[Variant]:
@@ -308,23 +409,74 @@ RECORDS: tuple[Record, ...] = (
            options=(Option(flag="--prefill-chunk", field="prefill_chunk", type=int,
                            help="Prompt tokens per prefill forward (infer; transformers' prefill_chunk_size).  "
                                 "[default: 0, the whole prompt]"),)),
-    Record(name="ac_every", fields=("ac_every",), args=lambda w: _flag("--ac", ac_label(w.ac_every)),
-           label=lambda w: f"ac {ac_label(w.ac_every)}", code=_ac_code, title="activation checkpointing",
+    Record(name="ac_every", fields=("ac_every", "ac_mode"), args=lambda w: _flag("--ac", w.ac_label),
+           label=lambda w: f"ac {w.ac_label}", code=_ac_code, title="activation checkpointing",
            reason="checkpointing keeps layer inputs only and recomputes the rest in backward",
-           change=lambda w: f"ac {ac_label(w.ac_every)}",
+           why=lambda before, after: (
+               "selective checkpointing keeps each layer's matmul and attention outputs and recomputes the rest"
+               if after.selective_ac else "checkpointing keeps layer inputs only and recomputes the rest in backward"),
+           change=lambda w: f"ac {w.ac_label}",
            options=(Option(flag="--ac", field="ac_every",
-                           help="Activation checkpointing: none | full | every-K.  [default: none]"),)),
+                           help="Activation checkpointing: none | full | every-K | selective | selective-every-K. "
+                                "full: every layer keeps only its input; every-K: every K-th layer does, the others "
+                                "are not checkpointed; selective: every layer keeps also its matmul and attention "
+                                "outputs (torchtitan's per-op policy, every second matmul recomputed); "
+                                "selective-every-K: that policy on every K-th layer, the others not checkpointed.  "
+                                "[default: none]"),)),
     Record(name="loss", fields=("loss",), args=lambda w: _if(w.loss != "full", "--loss", w.loss),
            label=lambda w: f"{w.loss} loss" if w.loss != "full" else None, code=_loss_code, title="chunked loss",
            reason="the head and its fp32 loss buffers run one chunk of the sequence at a time",
            time_factor=lambda w: 1 + CHUNKED_LOSS_COST * (w.loss == "chunked"),
            options=(Option(flag="--loss", field="loss", help="full | chunked (logits in 8 chunks).  [default: full]"),)),
+    Record(name="liger", fields=("liger",), args=lambda w: _if(w.liger, "--liger"),
+           label=lambda w: "liger loss" if w.liger else None, code=_liger_code,
+           title="Liger fused linear cross-entropy",
+           reason="the head and the loss run a chunk of tokens at a time with their gradients made in forward: "
+                  "the full logits never exist",
+           change=lambda w: "Liger's fused linear cross-entropy",
+           time_factor=lambda w: 1 + LIGER_LOSS_COST * w.liger,
+           options=(Option(flag="--liger/--no-liger", field="liger", type=bool,
+                           help="Liger-Kernel's fused linear cross-entropy (the Trainer's use_liger_kernel; its "
+                                "RMSNorm, SwiGLU and RoPE kernels are not sized).  [default: off]"),)),
+    Record(name="compile", fields=("compile",), args=lambda w: _if(w.compile, "--compile"),
+           label=lambda w: "compiled" if w.compile else None, code=_compile_code, title="torch.compile",
+           reason="the compiled graph saves matmul and attention outputs and recomputes cheap pointwise chains; "
+                  "inductor fuses their temporaries",
+           change=lambda w: "torch.compile the model",
+           variants=_compile_variants,
+           time_factor=lambda w: COMPILE_TIME_FACTOR if w.compile else 1.0,
+           options=(Option(flag="--compile/--no-compile", field="compile", type=bool,
+                           help="torch.compile the model (training): what AOT autograd's partitioner saves, "
+                                "inductor's fused temporaries.  [default: off]"),)),
     Record(name="optimizer", fields=("optimizer",), args=lambda w: _flag("--optimizer", w.optimizer),
            label=lambda w: w.optimizer, code=_optimizer_code, title="optimizer",
            reason="smaller optimizer state (8-bit moments or a factored second moment)",
            options=(Option(flag="--optimizer", field="optimizer",
-                           help="adamw | adamw8bit | sgd | adafactor.  [default: adamw]"),),
+                           help="adamw (= adamw-foreach) | adamw-fused | adamw-foreach | adamw-loop | adamw8bit | sgd "
+                                "| adafactor: torch AdamW's step fused (no temporaries), foreach (one per tensor, all "
+                                "at once) or for-loop (one tensor at a time).  [default: adamw]"),),
            variants=_optimizer_variants),
+    # Clipping and the step in backward are one record: stepping in backward cannot clip, so a plan
+    # that turns it on turns clipping off in the same step of its ladder.
+    Record(name="optimizer_in_backward", fields=("optimizer_in_backward", "max_grad_norm"),
+           args=lambda w: (_if(w.max_grad_norm != 1.0, "--max-grad-norm", f"{w.max_grad_norm:g}")
+                           + _if(w.optimizer_in_backward, "--optimizer-in-backward")),
+           label=lambda w: ", ".join(part for part in (
+               f"max-grad-norm {w.max_grad_norm:g}" if w.max_grad_norm != 1.0 else "",
+               "optimizer in backward" if w.optimizer_in_backward else "") if part) or None,
+           code=_in_backward_code,
+           title="optimizer step in backward",
+           reason="each parameter is stepped as soon as its gradient is ready and the gradient freed: the gradients "
+                  "never all exist (no clipping)",
+           change=lambda w: "step the optimizer in backward (no clipping)",
+           variants=_in_backward_variants,
+           time_factor=lambda w: 1 + OPTIMIZER_IN_BACKWARD_COST * w.optimizer_in_backward,
+           options=(Option(flag="--max-grad-norm", field="max_grad_norm", type=float,
+                           help="Clip gradients to this total norm before the step (its per-tensor norms); 0: no "
+                                "clipping.  [default: 1.0, the Trainer's; 0 with --optimizer-in-backward]"),
+                    Option(flag="--optimizer-in-backward/--no-optimizer-in-backward", field="optimizer_in_backward",
+                           type=bool, help="torchtune's optimizer step in backward: one optimizer per parameter, "
+                                           "stepped as its gradient is ready (needs --grad-accum 1).  [default: off]"))),
     Record(name="batch", fields=("grad_accum",), args=lambda w: _if(w.grad_accum > 1, "--grad-accum", str(w.grad_accum)),
            label=lambda w: f"grad-accum {w.grad_accum}" if w.grad_accum > 1 else None, code=_batch_code,
            title="micro-batch x gradient accumulation",
@@ -350,8 +502,11 @@ RECORDS: tuple[Record, ...] = (
 change fields that `task`/`quant` and `shape` render); `tests/test_techniques.py` checks it."""
 
 BY_NAME = {r.name: r for r in RECORDS}
-LADDER_ORDER = ("precision", "quant", "qlora", "kv_dtype", "prefill_chunk", "ac_every", "loss", "optimizer", "batch",
-                "layout", "seq")
+_TIME_FACTORS = tuple((record.tasks, record.time_factor) for record in RECORDS
+                      if record.time_factor is not Record.time_factor)
+"""(tasks, factor) of the records that change the step time: the planner asks for every candidate."""
+LADDER_ORDER = ("precision", "quant", "qlora", "kv_dtype", "prefill_chunk", "ac_every", "loss", "liger", "compile",
+                "optimizer", "optimizer_in_backward", "batch", "layout", "seq")
 """The order a plan's ladder applies the techniques in (`layout` is `llamem.parallel.Layout`)."""
 LAYOUT_TITLE = "parallelism / sharding / offload"
 LAYOUT_REASON = "spreading weights, gradients and optimizer state over GPUs (or to host memory)"
@@ -359,8 +514,8 @@ TRUNCATION_TIER = 2
 """Tier of the last resort: shorter sequences change what the model sees."""
 
 
-RENDER_ORDER = ("task", "shape", "precision", "generation", "kv_dtype", "prefill_chunk", "optimizer", "ac_every",
-                "batch", "loss", "quant", "lora", "teacher", "teacher_quant", "attn")
+RENDER_ORDER = ("task", "shape", "precision", "generation", "kv_dtype", "prefill_chunk", "optimizer",
+                "optimizer_in_backward", "ac_every", "batch", "loss", "liger", "compile", "quant", "lora", "teacher", "teacher_quant", "attn")
 """The order settings appear in a reproduce command and in a report's header."""
 
 
@@ -384,7 +539,7 @@ def workload_labels(w: Workload) -> list[str]:
 def workload_code(w: Workload) -> Code:
     code = Code()
     for name in ("task", "precision", "generation", "quant", "qlora", "kv_dtype", "prefill_chunk", "ac_every", "loss",
-                 "optimizer", "batch", "attn"):
+                 "compile", "optimizer", "optimizer_in_backward", "liger", "batch", "attn"):
         if w.task in BY_NAME[name].tasks:
             BY_NAME[name].code(w, code)
     code.packages = list(dict.fromkeys(p for p in code.packages if p))
@@ -393,21 +548,23 @@ def workload_code(w: Workload) -> Code:
 
 def technique_variants(w: Workload, ctx: SearchContext, max_tier: int) -> list[Variant]:
     """The structural variants of a workload: the product of every technique's variants (all but
-    checkpointing, loss, batch and layout, which the search treats as knobs), within `max_tier`."""
+    checkpointing, the loss (Liger's included), batch and layout, which the search treats as knobs), within `max_tier`."""
     combined = [Variant({}, 0)]
-    for name in ("precision", "quant", "qlora", "kv_dtype", "optimizer"):
+    for name in ("precision", "quant", "qlora", "kv_dtype", "optimizer", "compile", "optimizer_in_backward"):
         record = BY_NAME[name]
         if w.task not in record.tasks:
             continue
         combined = [Variant({**a.changes, **b.changes}, max(a.tier, b.tier), a.numerics + b.numerics)
                     for a in combined for b in record.variants(w, ctx)]
-    return [v for v in combined if v.tier <= max_tier]
+    # --compile is not sized with the optimizer step in backward: the pair is left out, not built and refused.
+    return [v for v in combined if v.tier <= max_tier
+            and not (v.changes.get("compile") and v.changes.get("optimizer_in_backward"))]
 
 
 def time_factor(w: Workload) -> float:
-    """Step-time factors the cost model does not see (chunked loss, chunked prefill)."""
+    """Step-time factors the cost model does not see (chunked loss, chunked prefill, compile, ...)."""
     factor = 1.0
-    for record in RECORDS:
-        if w.task in record.tasks:
-            factor *= record.time_factor(w)
+    for tasks, record_factor in _TIME_FACTORS:
+        if w.task in tasks:
+            factor *= record_factor(w)
     return factor

@@ -20,10 +20,11 @@ from llamem.errors import InvalidWorkload
 Task = Literal["infer", "train", "lora", "qlora", "distill"]
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed"]
 Quant = Literal["none", "int8", "nf4", "int4"]
-Optimizer = Literal["adamw", "adamw8bit", "sgd", "adafactor"]
+Optimizer = Literal["adamw", "adamw-fused", "adamw-foreach", "adamw-loop", "adamw8bit", "sgd", "adafactor"]
 Attention = Literal["sdpa", "eager"]
 KVDType = Literal["bf16", "fp16", "fp32", "fp8", "int8", "int4"]
 Loss = Literal["full", "chunked"]
+ACMode = Literal["full", "selective"]
 
 ALL_TASKS = ("infer", "train", "lora", "qlora", "distill")
 TRAINING_TASKS = ("train", "lora", "qlora", "distill")
@@ -63,8 +64,24 @@ class Workload:
     quant: Quant = "none"
     """Weight quantization of the frozen base: int8 (LLM.int8), nf4 (QLoRA), int4 (int4 weight-only)."""
     optimizer: Optimizer = "adamw"
+    """torch AdamW's step as foreach (`adamw`, the same as `adamw-foreach`: one parameter-sized
+    temporary per tensor, all at once), fused (`adamw-fused`: none) or for-loop (`adamw-loop`: two per
+    tensor, one tensor at a time); adamw8bit (bitsandbytes), sgd (momentum 0.9), adafactor (torch)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping before the step (`clip_grad_norm_`, foreach on a GPU): the per-tensor norms,
+    their stack and the total norm, then the gradients scaled in place; 0: no clipping."""
+    optimizer_in_backward: bool = False
+    """torchtune's optimizer step in backward: one optimizer per parameter, stepped by a
+    post-accumulate-grad hook as soon as its gradient is ready, the gradient freed at once."""
+    liger: bool = False
+    """Liger-Kernel's fused linear cross-entropy: the head and the loss run in chunks of tokens and make
+    the input's and the head's gradients in forward; the full logits never exist."""
     ac_every: int = 0
     """Activation checkpointing: 0 none, 1 every layer (full), K every K-th layer."""
+    ac_mode: ACMode = "full"
+    """What a checkpointed layer keeps: full, its input only (everything recomputed in backward);
+    selective, also the outputs of torchtitan's per-op save list (matmuls, attention), every
+    second matmul recomputed (`llamem.analytic.selective`)."""
     attn: Attention = "sdpa"
     lora_rank: int = 8
     lora_targets: tuple[str, ...] = LORA_TARGETS_DEFAULT
@@ -72,6 +89,10 @@ class Workload:
     grad_accum: int = 1
     """Micro-batches per optimizer step: from the second one on, gradients live through forward."""
     loss: Loss = "full"
+    compile: bool = False
+    """`torch.compile` of the model's forward (training): AOT autograd's partitioner decides what
+    backward keeps (matmul and attention outputs saved, cheap pointwise chains recomputed) and
+    inductor fuses pointwise chains (`llamem.trace.compiled`, `llamem.analytic.compiled`)."""
     prefill_chunk: int = 0
     """Prompt tokens per prefill forward (infer only; 0: the whole prompt at once). transformers'
     `GenerationConfig.prefill_chunk_size`: the same outputs, smaller prefill temporaries."""
@@ -83,6 +104,8 @@ class Workload:
     _compute: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.optimizer == "adamw-foreach":  # one workload, one spelling: `adamw` is the foreach step
+            object.__setattr__(self, "optimizer", "adamw")
         problems = _value_problems(self)
         if problems:
             raise InvalidWorkload(problems)
@@ -119,16 +142,31 @@ class Workload:
 
     @property
     def ac_label(self) -> str:
-        return ac_label(self.ac_every)
+        return ac_label(self.ac_every, self.ac_mode)
+
+    @property
+    def selective_ac(self) -> bool:
+        """Checkpointed layers keep torchtitan's per-op save list (`--ac selective[-every-K]`)."""
+        return self.ac_mode == "selective" and self.ac_every > 0
 
 
-def ac_label(ac_every: int) -> str:
-    """0 -> 'none', 1 -> 'full', K -> 'every-K': the spelling `--ac` takes."""
+def ac_label(ac_every: int, ac_mode: str = "full") -> str:
+    """(0, *) -> 'none', (1, full) -> 'full', (K, full) -> 'every-K', (1, selective) -> 'selective',
+    (K, selective) -> 'selective-every-K': the spelling `--ac` takes."""
+    if ac_mode == "selective" and ac_every:
+        return "selective" if ac_every == 1 else f"selective-every-{ac_every}"
     return {0: "none", 1: "full"}.get(ac_every, f"every-{ac_every}")
 
 
+_CHOICES: dict[int, tuple] = {}
+
+
 def _check_choice(problems: list[str], flag: str, value, literal) -> None:
-    choices = get_args(literal)
+    # The planner builds hundreds of thousands of workloads per search: each Literal's values are read
+    # once, and looked up by identity (hashing a typing.Literal costs more than the whole check).
+    choices = _CHOICES.get(id(literal))
+    if choices is None:
+        choices = _CHOICES[id(literal)] = get_args(literal)
     if value not in choices:
         problems.append(f"{flag} {value!r} is not one of: {', '.join(map(str, choices))}")
 
@@ -143,6 +181,9 @@ def _value_problems(w: Workload) -> list[str]:
     _check_choice(problems, "--attn", w.attn, Attention)
     _check_choice(problems, "--kv-dtype", w.kv_dtype, KVDType)
     _check_choice(problems, "--loss", w.loss, Loss)
+    _check_choice(problems, "--ac mode", w.ac_mode, ACMode)
+    if w.ac_mode == "selective" and w.ac_every == 0:
+        problems.append("selective checkpointing needs layers to checkpoint: --ac selective or selective-every-K")
     for flag, value, low, high in (("--batch", w.batch, 1, MAX_BATCH), ("--seq", w.seq, 1, MAX_TOKENS),
                                    ("--new-tokens", w.new_tokens, 0, MAX_TOKENS),
                                    ("--grad-accum", w.grad_accum, 1, MAX_BATCH), ("--lora-rank", w.lora_rank, 1, MAX_RANK),
@@ -176,6 +217,8 @@ def _value_problems(w: Workload) -> list[str]:
         problems.append(f"--prefill-chunk {w.prefill_chunk} splits the {w.seq}-token prompt into "
                         f"{-(-w.seq // w.prefill_chunk)} forwards, each reading every weight; llamem sizes at most "
                         f"{MAX_PREFILL_CHUNKS}: use --prefill-chunk {smallest} or more (512 to 8192 is usual)")
+    problems += _optimizer_and_loss_problems(w)
+    problems += _compile_problems(w)
     if w.task == "infer" and w.precision.endswith("-mixed"):
         problems.append(f"inference has no master weights: use --precision {w.precision.removesuffix('-mixed')}")
     if w.task == "qlora" and w.precision.endswith("-mixed"):
@@ -183,16 +226,73 @@ def _value_problems(w: Workload) -> list[str]:
     return problems
 
 
+AC_SPELLINGS = ("none, full, or every-K (for example every-2); or selective, or selective-every-K (torchtitan's "
+                "per-op policy on every layer or on every K-th)")
+
+
+def _optimizer_and_loss_problems(w: Workload) -> list[str]:
+    """Clipping, the optimizer step in backward and Liger's loss, and what they cannot be combined with."""
+    problems = []
+    norm = w.max_grad_norm
+    if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 <= norm < float("inf"):
+        problems.append(f"--max-grad-norm must be a number of 0 or more (0: no clipping), got {norm!r}")
+    elif w.optimizer_in_backward and norm > 0:
+        problems.append("--optimizer-in-backward cannot clip gradients (the total norm needs every gradient at "
+                        "once, and each is freed as soon as its parameter is stepped): add --max-grad-norm 0")
+    if w.optimizer_in_backward and w.grad_accum > 1:
+        problems.append(f"--optimizer-in-backward steps each parameter as soon as its gradient is ready, so "
+                        f"gradients cannot accumulate over micro-batches: drop --grad-accum {w.grad_accum} (a larger "
+                        "--batch instead), or drop --optimizer-in-backward")
+    if w.liger and w.loss != "full":
+        problems.append(f"--liger replaces the loss with Liger's fused linear cross-entropy: drop --loss {w.loss}")
+    if w.liger and w.task == "distill":
+        problems.append("--liger never makes the student's logits, which distillation's KL term needs: drop --liger "
+                        "for --task distill")
+    return problems
+
+
+def _compile_problems(w: Workload) -> list[str]:
+    """`--compile` is sized for training only, and not yet with the combinations it was not traced with."""
+    if not w.compile:
+        return []
+    if not isinstance(w.compile, bool):
+        return [f"--compile is on or off, got {w.compile!r}"]
+    problems = []
+    if w.task == "infer":
+        problems.append("--compile is sized for training only: drop --compile for --task infer")
+    if w.selective_ac:
+        problems.append(f"--compile with selective checkpointing is not sized yet: use --ac "
+                        f"{ac_label(w.ac_every)} with --compile, or drop --compile")
+    for flag, on in (("--liger", w.liger), ("--optimizer-in-backward", w.optimizer_in_backward)):
+        if on:
+            problems.append(f"--compile with {flag} is not sized yet: drop one of the two")
+    if w.task == "distill":
+        problems.append("--compile is not sized for distillation yet: drop --compile for --task distill")
+    if w.attn != "sdpa":
+        problems.append(f"--compile is sized with SDPA attention: drop --attn {w.attn}")
+    return problems
+
+
 def parse_ac(text: str) -> int:
-    """'none' -> 0, 'full' -> 1, 'every-2' -> 2."""
+    """'none' -> 0, 'full' -> 1, 'every-2' -> 2 (the layers checkpointed; `parse_ac_fields` adds the mode)."""
+    return parse_ac_fields(text)["ac_every"]
+
+
+def parse_ac_fields(text: str) -> dict:
+    """The Workload fields of an `--ac` value: 'none' -> ac_every 0, 'full' -> 1, 'every-2' -> 2;
+    'selective' -> 1 and 'selective-every-2' -> 2, with ac_mode 'selective' (only then given, so a
+    setting refused for a task is named once)."""
     text = str(text).strip().lower()
-    if text in ("none", "off", "0"):
-        return 0
-    if text in ("full", "on", "1"):
-        return 1
-    if text.startswith("every-") and text[6:].isdigit() and int(text[6:]) >= 1:
-        return int(text[6:])
-    raise InvalidWorkload([f"--ac {text!r}: write none, full, or every-K (for example every-2)"])
+    mode, rest = ("selective", text.removeprefix("selective-")) if text.startswith("selective-") else ("full", text)
+    if text == "selective":
+        mode, every = "selective", 1
+    elif rest.startswith("every-") and rest[6:].isdigit() and int(rest[6:]) >= 1:
+        every = int(rest[6:])
+    elif mode == "full" and text in ("none", "off", "0", "full", "on", "1"):
+        every = int(text in ("full", "on", "1"))
+    else:
+        raise InvalidWorkload([f"--ac {text!r}: write {AC_SPELLINGS}"])
+    return {"ac_every": every, "ac_mode": mode} if mode == "selective" else {"ac_every": every}
 
 
 def parse_targets(text: str | None) -> tuple[str, ...]:
@@ -207,12 +307,18 @@ FIELD_TASKS: dict[str, tuple[str, ...]] = {
     "task": ALL_TASKS, "batch": ALL_TASKS, "seq": ALL_TASKS, "precision": ALL_TASKS, "quant": ALL_TASKS,
     "attn": ALL_TASKS,
     "new_tokens": ("infer",), "kv_dtype": ("infer",), "prefill_chunk": ("infer",),
-    "optimizer": TRAINING_TASKS, "ac_every": TRAINING_TASKS, "grad_accum": TRAINING_TASKS, "loss": TRAINING_TASKS,
+    "optimizer": TRAINING_TASKS, "ac_every": TRAINING_TASKS, "ac_mode": TRAINING_TASKS, "grad_accum": TRAINING_TASKS,
+    "loss": TRAINING_TASKS, "max_grad_norm": TRAINING_TASKS, "optimizer_in_backward": TRAINING_TASKS,
+    "liger": TRAINING_TASKS, "compile": TRAINING_TASKS,
     "lora_rank": ADAPTER_TASKS, "lora_targets": ADAPTER_TASKS,
     "teacher": ("distill",), "teacher_quant": ("distill",),
 }
 """The tasks each Workload field applies to: a setting given for another task is refused, not ignored."""
-_FLAGS = {"ac_every": "--ac"}
+_FLAGS = {"ac_every": "--ac", "ac_mode": "--ac"}
+
+
+FLAG_FIELDS = ("optimizer_in_backward", "liger", "compile")
+"""Workload fields set by an on/off flag."""
 
 
 def task_defaults(task: str) -> dict:
@@ -228,15 +334,18 @@ def task_defaults(task: str) -> dict:
 def build_workload(task: str = "train", **given) -> Workload:
     """Workload from user options; None means 'the task's default'. Settings that the task
     would silently ignore are refused, all at once."""
-    given = {k: v for k, v in given.items() if v is not None}
+    # An on/off flag left off (`--no-liger`) asks for nothing, whichever the task.
+    given = {k: v for k, v in given.items() if v is not None and not (v is False and k in FLAG_FIELDS)}
     problems = []
     for key, tasks in FIELD_TASKS.items():
         if key in given and task not in tasks and key not in ("teacher", "teacher_quant"):
             flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
             problems.append(f"{flag} only applies to --task {' / '.join(tasks)}, not {task}")
     if problems:
-        raise InvalidWorkload(problems)
+        raise InvalidWorkload(list(dict.fromkeys(problems)))  # --ac sets two fields: named once
     options = {**task_defaults(task), **given}
+    if options.get("optimizer_in_backward") and "max_grad_norm" not in given:
+        options["max_grad_norm"] = 0.0  # torchtune's optimizer in backward does not clip
     if "kv_dtype" not in options and task == "infer":
         precision = options["precision"]
         options["kv_dtype"] = "fp32" if precision == "fp32" else precision.removesuffix("-mixed")

@@ -19,8 +19,9 @@ width, e the compute dtype's bytes:
 - LoRA: frozen linears keep nothing; each adapted linear keeps its input cast to fp32
   (4 T fan_in) and lora_A's output (4 T r). Layer 0 keeps nothing of its input norm (the
   embedding output needs no gradient) unless checkpointing forces input gradients.
-- Activation checkpointing keeps only a checkpointed layer's input; its full set comes
-  back during its backward (one layer at a time; `backward.py`).
+- Activation checkpointing keeps only a checkpointed layer's input (selective checkpointing also
+  its policy's matmul and attention outputs, `selective.py`); its full set comes back during its
+  backward (one layer at a time; `backward.py`).
 - Model-level tensors alive through the step: RoPE's cos and sin, the final norm's saved
   tensors and its output, with checkpointing the materialised causal mask.
 
@@ -34,6 +35,7 @@ from functools import lru_cache
 
 from llamem.analytic.common import r512, trains_base_weights
 from llamem.analytic.kv_cache import training_cache_bytes
+from llamem.analytic.selective import selective_kept_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import Workload
@@ -111,7 +113,7 @@ def layer_saved_bytes(spec: ModelSpec, workload: Workload, layer_index: int) -> 
     return {"norm": (norm_saved_bytes(T, h, e, mixed, flags.input_requires_grad, flags.train_all)
                      + norm_saved_bytes(T, h, e, mixed, h1_rg, flags.train_all)),
             "lora": _linear_inputs_saved(spec, workload, flags),
-            "attention": _attention_saved(spec, workload) if attn_rg else 0,
+            "attention": (_attention_saved(spec, workload) if attn_rg else 0) + qk_norm_saved(spec, workload, flags),
             "mlp": _mlp_saved(spec, workload, flags, h1_rg),
             "residual": _residual_saved(spec, workload, h1_rg)}
 
@@ -143,10 +145,34 @@ def _sdpa_saved(spec: ModelSpec, workload: Workload) -> int:
     b, s = workload.batch, workload.seq
     T, q = b * s, spec.q_dim
     ae = 2 if workload.mixed else compute_bytes(workload)
-    masked = workload.ac_every > 0
+    masked = workload.ac_every > 0 or sliding_masks(spec, workload)
     k_dim = q if (masked and spec.gqa_groups > 1) else spec.kv_dim
     saved = r512(ae * T * q) + 2 * r512(ae * T * k_dim) + r512(ae * T * q) + r512(4 * b * spec.num_heads * s)
     return saved + (r512(ae * b * s * s) if masked else 0)
+
+
+def sliding_masks(spec: ModelSpec, workload: Workload) -> bool:
+    """A sliding window shorter than the sequence needs a materialised mask (Mistral's
+    create_sliding_window_causal_mask): SDPA then cannot run causal, as under checkpointing."""
+    return spec.sliding_window is not None and workload.seq > spec.sliding_window
+
+
+def qk_norm_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags) -> int:
+    """Qwen3's q_norm and k_norm (RMSNorm over each head's head_dim, on q_proj's and k_proj's outputs,
+    `modeling_qwen3.py`): like any RMSNorm, rsqrt (4 T heads) and, their input being a linear's output
+    in the compute dtype, its fp32 upcast (4 T q, below fp32); the normalised input for the weight's
+    gradient when it trains. Each only where its projection's output needs a gradient."""
+    if spec.qk_norm != "rms":
+        return 0
+    T, e, mixed = workload.batch * workload.seq, compute_bytes(workload), workload.mixed
+    saved = 0
+    for proj, heads in (("q_proj", spec.num_heads), ("k_proj", spec.num_kv_heads)):
+        if not (flags.input_requires_grad or flags.train_all or proj in flags.targets):
+            continue
+        dim = heads * spec.head_dim
+        saved += r512(4 * T * heads) + (r512(4 * T * dim) if (e < 4 or mixed) else 0)
+        saved += r512((2 if mixed else e) * T * dim) if flags.train_all else 0
+    return saved
 
 
 def _eager_attention_saved(spec: ModelSpec, workload: Workload) -> int:
@@ -218,11 +244,17 @@ def model_saved_bytes(spec: ModelSpec, workload: Workload,
     if num_checkpointed:
         if fp32_stream and K > 1:
             # Only layer 0's input is the checkpoint's own; later checkpointed layers' inputs are the
-            # previous plain layer's output, already counted; their outputs are kept by the next norm.
+            # previous plain layer's output, already counted; their outputs are kept by the next norm
+            # (the last layer's by the final norm).
             totals["checkpoints"] += stream
-            totals["residual"] += stream * (num_checkpointed - (1 if (L - 1) % K == 0 else 0))
+            totals["residual"] += stream * num_checkpointed
         else:
             totals["checkpoints"] += stream * num_checkpointed
+            # An fp32 stream: the last layer's output is kept by the final norm (the others are the
+            # next checkpoints' inputs).
+            totals["residual"] += stream if fp32_stream else 0
+        # Selective checkpointing: each checkpointed layer also keeps its policy's saved outputs.
+        totals["checkpoints"] += num_checkpointed * selective_kept_bytes(spec, workload)
     # The embedding output is layer 0's input: kept by its norm under fp32 compute.
     if fp32_stream and not K and layer_flags(workload, 0).input_requires_grad:
         totals["residual"] += stream

@@ -21,6 +21,7 @@ from __future__ import annotations
 from llamem.analytic.activations import checkpoint_mask_bytes, compute_bytes, rope_bytes, stream_bytes
 from llamem.analytic.common import r512, trains_base_weights
 from llamem.analytic.optimizer import layer_gradient_bytes
+from llamem.analytic.selective import selective_kept_bytes
 from llamem.analytic.weights import layer_autocast_copy_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -37,15 +38,16 @@ def checkpointed_backward_moments(spec: ModelSpec, w: Workload, gradient_total_b
         return []
     current = _current_layer_bytes(spec, w, layer_saved_bytes) + rope_bytes(spec, w) + checkpoint_mask_bytes(w)
     temporaries = _layer_backward_temporaries(spec, w)
-    stream = stream_bytes(w, spec)
+    # What each checkpoint keeps: its input and, selective, its policy's outputs.
+    checkpoint = stream_bytes(w, spec) + selective_kept_bytes(spec, w)
     per_layer_copies, current_copies = _autocast_copies(spec, w)
     moments = []
     for index in (spec.num_layers - 1, 0):
         checkpointed_below = -(-index // w.ac_every)
         plain_below = index - checkpointed_below
-        moments.append({"gradients": _gradients_alive(spec, w, gradient_total_bytes, index),
+        moments.append({"gradients": gradients_alive(spec, w, gradient_total_bytes, index),
                         "weights/autocast_copies": plain_below * per_layer_copies + current_copies,
-                        "activations": checkpointed_below * stream + plain_below * layer_saved_bytes + current,
+                        "activations": checkpointed_below * checkpoint + plain_below * layer_saved_bytes + current,
                         "temporaries": temporaries})
     return moments
 
@@ -55,7 +57,7 @@ def _mlp_tensor_bytes(spec: ModelSpec, w: Workload) -> int:
     return r512((2 if w.mixed else compute_bytes(w)) * w.batch * w.seq * spec.intermediate_size)
 
 
-def _gradients_alive(spec: ModelSpec, w: Workload, gradient_total_bytes: int, index: int) -> int:
+def gradients_alive(spec: ModelSpec, w: Workload, gradient_total_bytes: int, index: int) -> int:
     """Gradients alive in layer `index`'s backward: the head's and the final norm's (full
     fine-tuning), the layers' above, and the first of the layer's own (down_proj's)."""
     above = (spec.num_layers - 1 - index) * layer_gradient_bytes(spec, w, gradient_total_bytes)
@@ -77,10 +79,10 @@ def _autocast_copies(spec: ModelSpec, w: Workload) -> tuple[int, int]:
 
 def _current_layer_bytes(spec: ModelSpec, w: Workload, layer_saved_bytes: int) -> int:
     """The current layer's recomputed saved set, less the SwiGLU product down_proj's backward has
-    freed (full fine-tuning keeps it); in pure precision the recompute also rebuilds the residual
-    mid-point h1 (a local of the recomputed forward; under autocast it is part of the saved set)."""
+    freed (full fine-tuning keeps it); in pure bf16/fp16 the recompute also rebuilds the residual
+    mid-point h1 (a local of the recomputed forward; with an fp32 stream it is part of the saved set)."""
     current = layer_saved_bytes - (_mlp_tensor_bytes(spec, w) if trains_base_weights(w) else 0)
-    recomputed_h1 = 0 if w.mixed else stream_bytes(w, spec)
+    recomputed_h1 = 0 if (w.mixed or compute_bytes(w) == 4) else stream_bytes(w, spec)
     return current + recomputed_h1
 
 

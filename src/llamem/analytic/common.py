@@ -31,3 +31,14 @@ def prefill_chunks(workload: Workload) -> tuple[int, int]:
     `prefill_step`-token chunks, the remainder last (a whole chunk when it divides evenly)."""
     chunk = workload.prefill_step
     return chunk, workload.seq - (workload.seq - 1) // chunk * chunk
+
+
+def add_breakdowns(*parts: dict[str, int]) -> dict[str, int]:
+    """Category-wise sum of breakdowns (zero entries left out)."""
+    out: dict[str, int] = {}
+    get = out.get
+    for part in parts:
+        for key, value in part.items():
+            if value:
+                out[key] = get(key, 0) + value
+    return out

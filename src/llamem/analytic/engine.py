@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from llamem.analytic.activations import training_activations
 from llamem.analytic.backward import checkpointed_backward_moments, tied_gradient_sum
-from llamem.analytic.common import r512
+from llamem.analytic.common import add_breakdowns, r512
+from llamem.analytic.compiled import compiled_training_moments
+from llamem.analytic.in_backward import end_of_backward_moments, head_gradient_moments, layer_gradient_in_backward
 from llamem.analytic.kv_cache import decode_moment
+from llamem.analytic.liger import liger_uncached_copy_bytes
 from llamem.analytic.logits import decode_logits_bytes, training_logits
-from llamem.analytic.optimizer import gradient_bytes, optimizer_state_bytes, step_temporary_bytes
+from llamem.analytic.moe import refuse_moe
+from llamem.analytic.optimizer import gradient_bytes, optimizer_phase_temporary_bytes, optimizer_state_bytes
 from llamem.analytic.prefill import prefill_moment
 from llamem.analytic.weights import autocast_copies_in_backward_bytes, autocast_copy_bytes, weight_breakdown
 from llamem.model import ModelSpec
@@ -26,6 +30,9 @@ def estimate(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = No
 
         teacher = load_model(workload.teacher)
     check_teacher(spec, teacher)
+    refuse_moe(spec)
+    if teacher is not None:
+        refuse_moe(teacher, "teacher")
     weights = _weights(spec, workload, teacher)
     if workload.is_training:
         phases = _training_phases(spec, workload, weights, teacher)
@@ -50,18 +57,14 @@ def _notes(spec: ModelSpec, workload: Workload) -> list[str]:
     if tokens > spec.max_position_embeddings:
         notes.append(f"{tokens} tokens exceed the model's max_position_embeddings "
                      f"({spec.max_position_embeddings}): quality may degrade beyond the trained context")
+    if workload.liger and workload.is_training:
+        notes.append("liger: Liger-Kernel's fused linear cross-entropy sized from its source (it runs only on a GPU; "
+                     "the trace engine emulates it byte for byte); its RMSNorm, SwiGLU and RoPE kernels are not sized")
+    if workload.compile:
+        notes.append("compile: what AOT autograd's partitioner saves and inductor's fused kernels hold, derived from "
+                     "compiled traces (`llamem trace --compile`); compilation's own time and memory are not counted")
     return notes
 
-
-def _add(*parts: dict[str, int]) -> dict[str, int]:
-    """Category-wise sum of breakdowns (zero entries left out)."""
-    out: dict[str, int] = {}
-    get = out.get
-    for part in parts:
-        for key, value in part.items():
-            if value:
-                out[key] = get(key, 0) + value
-    return out
 
 
 def _worst(*moments: dict[str, int]) -> dict[str, int]:
@@ -81,24 +84,52 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
     activations = training_activations(spec, w, distill=teacher is not None)
     logits = training_logits(spec, w, distill=teacher is not None)
     inputs = {"inputs": _input_ids_bytes(w)}
-    persistent = _add(weights, state, {"gradients": grads if w.grad_accum > 1 else 0}, inputs)
-    forward = _add(persistent, {"weights/autocast_copies": copies, "activations": activations.forward,
-                                "logits": logits.forward_peak})
-    loss_backward = _add(persistent, {"weights/autocast_copies": autocast_copies_in_backward_bytes(spec, w, copies),
-                                      "activations": activations.backward, "logits": logits.backward_peak})
-    layer_backward = [_add(persistent, moment)
+    persistent = add_breakdowns(weights, state, {"gradients": grads if w.grad_accum > 1 else 0}, inputs)
+    forward = add_breakdowns(persistent, {"weights/autocast_copies": copies + logits.forward_weight_casts,
+                                "activations": activations.forward, "logits": logits.forward_peak,
+                                "gradients": logits.forward_gradient})
+    copies_in_backward = autocast_copies_in_backward_bytes(spec, w, copies) - liger_uncached_copy_bytes(spec, w)
+    loss_backward = add_breakdowns(persistent, {"weights/autocast_copies": copies_in_backward,
+                                      "activations": activations.backward, "logits": logits.backward_peak,
+                                      "gradients": logits.forward_gradient,
+                                      "temporaries": logits.backward_temporaries})
+    layer_backward = [add_breakdowns(persistent, moment)
                       for moment in checkpointed_backward_moments(spec, w, grads, activations.layer)]
-    end_of_backward = _add(weights, state, inputs, {"gradients": grads}, tied_gradient_sum(spec, w))
-    optimizer = _add(weights, state, {"gradients": grads, "temporaries": step_temporary_bytes(w, grads)})
+    compiled_end: dict[str, int] = {}
+    if w.compile:  # what the compiled graph saves and holds instead (`compiled.py`)
+        forward, loss_backward, layer_backward, compiled_end = compiled_training_moments(
+            spec, w, persistent, copies, grads, logits.forward_peak)
+    if w.optimizer_in_backward:
+        backward = _in_backward_moments(spec, w, persistent, layer_backward, activations.backward,
+                                        copies_in_backward)
+        # Every parameter was stepped in backward: what the step leaves is all that is alive.
+        return {"load": dict(weights), "forward": forward, "backward": _worst(loss_backward, *backward),
+                "optimizer": add_breakdowns(weights, state)}
+    end_of_backward = add_breakdowns(weights, state, inputs, {"gradients": grads},
+                           compiled_end if w.compile else tied_gradient_sum(spec, w))
+    optimizer = add_breakdowns(weights, state, {"gradients": grads,
+                                      "temporaries": optimizer_phase_temporary_bytes(spec, w, grads)})
     return {"load": dict(weights), "forward": forward,
             "backward": _worst(loss_backward, *layer_backward, end_of_backward), "optimizer": optimizer}
 
 
+def _in_backward_moments(spec: ModelSpec, w: Workload, persistent: dict[str, int], layer_backward: list[dict],
+                         saved_activation_bytes: int, copies_in_backward_bytes: int) -> list[dict[str, int]]:
+    """Backward's moments when each parameter is stepped as its gradient is ready (`in_backward.py`):
+    a checkpointed layer holds its own gradient and step, not those of the layers above."""
+    gradient, step = layer_gradient_in_backward(spec, w)
+    layers = [{**moment, "gradients": gradient, "temporaries": moment.get("temporaries", 0) + step}
+              for moment in layer_backward]
+    head = head_gradient_moments(spec, w, saved_activation_bytes, copies_in_backward_bytes)
+    end = end_of_backward_moments(spec, w, tied_gradient_sum(spec, w))
+    return layers + [add_breakdowns(persistent, moment) for moment in head + end]
+
+
 def _inference_phases(spec: ModelSpec, w: Workload, weights: dict[str, int]) -> dict[str, dict[str, int]]:
     inputs = {"inputs": _input_ids_bytes(w)}
-    phases = {"load": dict(weights), "prefill": _add(weights, inputs, prefill_moment(spec, w))}
+    phases = {"load": dict(weights), "prefill": add_breakdowns(weights, inputs, prefill_moment(spec, w))}
     if w.new_tokens > 1:
-        phases["decode"] = _add(weights, inputs, decode_moment(spec, w), {"logits": decode_logits_bytes(spec, w)})
+        phases["decode"] = add_breakdowns(weights, inputs, decode_moment(spec, w), {"logits": decode_logits_bytes(spec, w)})
     return phases
 
 

@@ -7,8 +7,9 @@ With T tokens and V the vocabulary, at the end of the forward pass:
   + log_softmax output (4 T V, saved).
 In backward, nll_loss's gradient (4TV) and log_softmax's (4TV) sit beside the saved output.
 Chunked loss (torchtune's CEWithChunkedOutputLoss, 8 chunks) upcasts one chunk at a time but
-still keeps every chunk's log_softmax output. Generation computes the logits of the last token
-only.
+still keeps every chunk's log_softmax output. Liger's fused linear cross-entropy (`--liger`,
+`llamem.analytic.liger`) never makes the full logits: a chunk of rows at a time, its gradients
+made in forward. Generation computes the logits of the last token only.
 """
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llamem.analytic.common import r512, trains_base_weights
+from llamem.analytic.liger import liger_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import LOSS_CHUNKS, Workload
+
+
+FINAL_NORM_BACKWARD_TENSORS = 5
+"""fp32 T x h tensors alive at once in the final RMSNorm's backward (traced: pow, mul, div, mul)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +35,20 @@ class LogitsBytes:
     """What stays for backward."""
     backward_peak: int
     """Head + loss buffers at the worst moment of the loss backward."""
+    forward_gradient: int = 0
+    """A head gradient made in forward (Liger's grad_weight), alive from then on (gradients)."""
+    forward_weight_casts: int = 0
+    """Autocast copies of the head's weight beyond the cached one at the forward's worst moment."""
+    backward_temporaries: int = 0
+    """Temporaries at the loss backward's worst moment beyond the loss's own (Liger: the final
+    norm's backward, which is then the worst)."""
 
 
 def training_logits(spec: ModelSpec, workload: Workload, distill: bool = False) -> LogitsBytes:
     """The head's and the loss's buffers of a training step (`distill`: a forward KL against a
     teacher's logits)."""
+    if workload.liger:
+        return _liger_loss(spec, workload)
     head_input = _head_input_bytes(spec, workload)
     if workload.loss == "chunked":
         return _chunked_loss(spec, workload, head_input)
@@ -84,6 +99,20 @@ def _distillation_loss(spec: ModelSpec, workload: Workload, head_input: int) -> 
                     + _labels_bytes(workload))
     saved = head_input + 3 * lsm
     return LogitsBytes(forward_peak, saved, saved + r512(4 * TV) + 2 * 512)
+
+
+def _liger_loss(spec: ModelSpec, workload: Workload) -> LogitsBytes:
+    """Liger's fused linear cross-entropy (`llamem.analytic.liger`): grad_input kept from forward to
+    backward, grad_weight (the head's gradient) too; in backward it hands them on and the final
+    RMSNorm's backward (five fp32 T x h temporaries) is the worst moment at the top."""
+    liger = liger_bytes(spec, workload)
+    T = workload.batch * workload.seq
+    norm_backward = FINAL_NORM_BACKWARD_TENSORS * r512(4 * T * spec.hidden_size)
+    # A tied head's grad_weight is never the gradient itself: autograd sums it with the embedding's.
+    held = liger.gradient if spec.tie_word_embeddings else 0
+    return LogitsBytes(forward_peak=liger.kept + liger.forward_extra + held, saved=liger.kept + held,
+                       backward_peak=2 * 512 + held, forward_gradient=liger.gradient - held,
+                       forward_weight_casts=liger.forward_weight_casts, backward_temporaries=norm_backward)
 
 
 def _chunked_loss(spec: ModelSpec, workload: Workload, head_input: int) -> LogitsBytes:

@@ -20,6 +20,7 @@ from llamem.analytic.kv_cache import kv_layer_tensor_bytes, stored_tokens
 from llamem.analytic.optimizer import BNB_BLOCK, BNB_MIN_8BIT_SIZE, adafactor_state_tensors, has_step_temporaries
 from llamem.analytic.prefill import masked_sdpa_sizes
 from llamem.analytic.schedule_train import LayerTape, backward_layer, forward_layer, norm_backward, norm_forward
+from llamem.analytic.selective import selective_kept_sizes
 from llamem.analytic.weights import linear_weight_bytes, trainable_numels, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -224,9 +225,10 @@ def _op_level_training(spec: ModelSpec, w: Workload, ev: _Events, head: list[int
     embedding's gradient, the optimizer step (its state made in the first)."""
     for step in range(2):
         step_inputs, embeds = _step_inputs(ev, spec, w)
-        x, tapes, stream_end, inputs = _forward_layers(ev, spec, w, embeds)
+        kept: dict[int, list[int]] = {}  # selective checkpointing: what each checkpointed layer's policy keeps
+        x, tapes, stream_end, inputs = _forward_layers(ev, spec, w, embeds, kept)
         grads, grad, tied_grad = _head_and_loss(ev, spec, w, x, embeds, tapes, stream_end, head)
-        grad = _backward_layers(ev, spec, w, tapes, inputs, embeds, grads, grad)
+        grad = _backward_layers(ev, spec, w, tapes, inputs, embeds, grads, grad, kept)
         tail_grads = ev.alloc(tail)  # the embedding's backward
         ev.free([grad] + tied_grad)  # a tied head's two gradients are summed out of place
         ev.free([embeds] if (w.ac_every or not _fp32_stream(w)) else [])
@@ -255,11 +257,12 @@ def _step_inputs(ev: _Events, spec: ModelSpec, w: Workload) -> tuple[list[int], 
     return step_inputs, embeds
 
 
-def _forward_layers(ev: _Events, spec: ModelSpec, w: Workload,
-                    embeds: int) -> tuple[int, list[LayerTape | None], list[int], list[int | None]]:
+def _forward_layers(ev: _Events, spec: ModelSpec, w: Workload, embeds: int, kept: dict[int, list[int]]
+                    ) -> tuple[int, list[LayerTape | None], list[int], list[int | None]]:
     """Every decoder layer's forward. Returns the last output, each layer's tape (None when
     checkpointed: nothing saved), the cache copies alive until the end of forward, and each
-    checkpointed layer's input (kept by its checkpoint)."""
+    checkpointed layer's input (kept by its checkpoint). Selective checkpointing's kept outputs go
+    to `kept` (made after the layer's forward: the sizes are exact, their places in it are not)."""
     x, tapes, stream_end, inputs = embeds, [], [], []
     for index in range(spec.num_layers):
         checkpointed = act.is_checkpointed(w, index)
@@ -268,6 +271,8 @@ def _forward_layers(ev: _Events, spec: ModelSpec, w: Workload,
         if checkpointed:  # nothing saved; the checkpoint keeps the layer's input
             tape = None
             inputs.append(x)
+            if w.selective_ac:
+                kept[index] = ev.alloc(selective_kept_sizes(spec, w))
         else:
             inputs.append(None)
             if x != embeds and not _fp32_stream(w) and not (index and act.is_checkpointed(w, index - 1)):
@@ -303,12 +308,16 @@ def _head_and_loss(ev: _Events, spec: ModelSpec, w: Workload, x: int, embeds: in
 
 
 def _backward_layers(ev: _Events, spec: ModelSpec, w: Workload, tapes: list[LayerTape | None],
-                     inputs: list[int | None], embeds: int, grads: list[int], grad: int) -> int:
+                     inputs: list[int | None], embeds: int, grads: list[int], grad: int,
+                     kept: dict[int, list[int]]) -> int:
     """Every layer's backward, top down; a checkpointed layer is recomputed first (up to its last
-    saved tensor) and its input dies after its backward. Returns the embedding output's gradient."""
+    saved tensor; selective checkpointing's kept outputs are handed to the recompute, freed here
+    and made again by it) and its input dies after its backward. Returns the embedding output's
+    gradient."""
     for index in reversed(range(spec.num_layers)):
         tape = tapes[index]
         if tape is None:  # recompute the checkpointed layer (up to its last saved tensor)
+            ev.free(kept.pop(index, []))
             tape = LayerTape(ev, index, recompute=True)
             output = forward_layer(tape, spec, w, index, [])
             ev.free([output] if output is not None else [])

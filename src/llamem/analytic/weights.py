@@ -31,16 +31,27 @@ def linear_weight_bytes(fan_in: int, fan_out: int, dtype: str, quant: str) -> tu
     return r512((numel + 1) // 2), r512(4 * -(-numel // NF4_BLOCK))
 
 
-def layer_weight_bytes(spec: ModelSpec, dtype: str, quant: str = "none") -> tuple[int, int]:
-    """(weights, quantization scales) of one decoder layer: 7 linears, 2 RMSNorm weights, biases."""
-    weights = 2 * tensor_bytes(spec.hidden_size, dtype)
-    scales = 0
-    for name, (fan_in, fan_out) in spec.layer_linear_shapes().items():
-        w, s = linear_weight_bytes(fan_in, fan_out, dtype, quant)
+def layer_weight_bytes(spec: ModelSpec, dtype: str, quant: str = "none", moe: bool = False) -> tuple[int, int]:
+    """(weights, quantization scales) of one decoder layer, dense or mixture of experts: every parameter
+    of `ModelSpec.layer_params` (linears, biases, RMSNorm and q/k-norm weights, router, fused experts) in
+    `dtype`, the dense layer's 7 linear weights quantized where `quant` says."""
+    shapes = spec.layer_linear_shapes()
+    weights = scales = 0
+    for name, numel in _layer_tensors(spec, moe):
+        proj = name.split(".")[-2]
+        if quant != "none" and not moe and name.endswith(".weight") and proj in shapes:
+            w, s = linear_weight_bytes(*shapes[proj], dtype, quant)
+        else:
+            w, s = tensor_bytes(numel, dtype), 0
         weights, scales = weights + w, scales + s
-        has_bias = spec.mlp_bias if name in ("gate_proj", "up_proj", "down_proj") else spec.attention_bias
-        weights += tensor_bytes(fan_out, dtype) if has_bias else 0
     return weights, scales
+
+
+def _layer_tensors(spec: ModelSpec, moe: bool) -> list[tuple[str, int]]:
+    """(name, element count) of a mixture-of-experts layer's parameters, or of a dense layer's."""
+    dense = [i for i in range(spec.num_layers) if i not in spec.moe_layers][:1]
+    index = spec.moe_layers[0] if moe else (dense[0] if dense else 0)
+    return spec.layer_params(index)
 
 
 def rope_buffer_bytes(spec: ModelSpec) -> int:
@@ -50,12 +61,14 @@ def rope_buffer_bytes(spec: ModelSpec) -> int:
 
 def model_weight_bytes(spec: ModelSpec, dtype: str, quant: str = "none") -> tuple[int, int]:
     """(weights, quantization scales) of the whole model; a tied head adds nothing."""
-    per_layer, per_layer_scales = layer_weight_bytes(spec, dtype, quant)
+    layers = scales = 0
+    for moe, count in spec.layer_kinds():
+        per_layer, per_layer_scales = layer_weight_bytes(spec, dtype, quant, moe)
+        layers, scales = layers + count * per_layer, scales + count * per_layer_scales
     embedding = tensor_bytes(spec.embedding_params, dtype)
     head = tensor_bytes(spec.lm_head_params, dtype) if spec.lm_head_params else 0
     final_norm = tensor_bytes(spec.hidden_size, dtype)
-    total = spec.num_layers * per_layer + embedding + head + final_norm + rope_buffer_bytes(spec)
-    return total, spec.num_layers * per_layer_scales
+    return layers + embedding + head + final_norm + rope_buffer_bytes(spec), scales
 
 
 def weight_breakdown(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None) -> dict[str, int]:
@@ -103,18 +116,7 @@ def trainable_tensor_sizes(spec: ModelSpec, workload: Workload) -> list[int]:
     if workload.uses_adapters:
         return lora_tensor_sizes(spec, workload)
     dtype = workload.weight_dtype
-    h = spec.hidden_size
-    sizes = [tensor_bytes(spec.embedding_params, dtype)]
-    layer = [tensor_bytes(h, dtype)] * 2
-    for name, (fan_in, fan_out) in spec.layer_linear_shapes().items():
-        layer.append(tensor_bytes(fan_in * fan_out, dtype))
-        has_bias = spec.mlp_bias if name in ("gate_proj", "up_proj", "down_proj") else spec.attention_bias
-        if has_bias:
-            layer.append(tensor_bytes(fan_out, dtype))
-    sizes += layer * spec.num_layers + [tensor_bytes(h, dtype)]
-    if spec.lm_head_params:
-        sizes.append(tensor_bytes(spec.lm_head_params, dtype))
-    return sizes
+    return [tensor_bytes(numel, dtype) for numel in trainable_numels(spec, workload)]
 
 
 def trainable_numels(spec: ModelSpec, workload: Workload) -> list[int]:
@@ -125,15 +127,13 @@ def trainable_numels(spec: ModelSpec, workload: Workload) -> list[int]:
         for fan_in, fan_out in lora_shapes(spec, workload):
             per_layer += [rank * fan_in, rank * fan_out]
         return per_layer * spec.num_layers
-    h = spec.hidden_size
+    # Embedding, each layer's own (in ModelSpec.layer_params order), final norm, head.
+    kinds = {moe: [numel for _name, numel in _layer_tensors(spec, moe)] for moe, _count in spec.layer_kinds()}
+    moe_layers = set(spec.moe_layers)
     numels = [spec.embedding_params]
-    layer = [h, h]
-    for name, (fan_in, fan_out) in spec.layer_linear_shapes().items():
-        layer.append(fan_in * fan_out)
-        has_bias = spec.mlp_bias if name in ("gate_proj", "up_proj", "down_proj") else spec.attention_bias
-        if has_bias:
-            layer.append(fan_out)
-    numels += layer * spec.num_layers + [h]
+    for index in range(spec.num_layers):
+        numels += kinds[index in moe_layers]
+    numels.append(spec.hidden_size)
     if spec.lm_head_params:
         numels.append(spec.lm_head_params)
     return numels

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 
+from llamem.model import HF_CLASSES
 from llamem.parallel import Layout
 from llamem.workload import Workload
 
-DECODER_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer"}
 
 
 def accelerate_config(w: Workload, layout: Layout, strategy: str, *, nodes: int, model_type: str) -> dict:
@@ -29,7 +29,7 @@ def accelerate_config(w: Workload, layout: Layout, strategy: str, *, nodes: int,
     if strategy == "fsdp2":
         config["fsdp_config"] = {
             "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": DECODER_LAYERS[model_type], "fsdp_reshard_after_forward": True,
+            "fsdp_transformer_layer_cls_to_wrap": HF_CLASSES[model_type][2], "fsdp_reshard_after_forward": True,
             "fsdp_offload_params": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             # train.py loads the model on every process and applies the plan's checkpointing itself.
             "fsdp_cpu_ram_efficient_loading": False, "fsdp_activation_checkpointing": False}

@@ -19,7 +19,9 @@ MAX_GRAD_NORM = 1.0
 ADAMW_PARAMS = {"lr": LEARNING_RATE, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 """torch.optim.AdamW's defaults, so that DeepSpeed's Adam steps as train.py's torch AdamW does."""
 OPTIMIZERS = {
-    "adamw": {"type": "AdamW", "params": ADAMW_PARAMS},
+    # torch's foreach, fused and for-loop AdamW differ in their temporaries only: DeepSpeed steps its own Adam.
+    **{name: {"type": "AdamW", "params": ADAMW_PARAMS} for name in ("adamw", "adamw-foreach", "adamw-fused",
+                                                                     "adamw-loop")},
     # Names DeepSpeed does not know are looked up in torch.optim (engine.py `_configure_basic_optimizer`).
     "sgd": {"type": "SGD", "params": {"lr": LEARNING_RATE, "momentum": 0.9}},
     "adafactor": {"type": "Adafactor", "params": {"lr": LEARNING_RATE}},
@@ -31,9 +33,9 @@ def ds_config(w: Workload, layout: Layout, hidden_size: int) -> dict:
     """The config of a zero1 / zero2 / zero3 layout, with its offload."""
     assert layout.sharding in ("zero1", "zero2", "zero3"), layout
     config = {"train_micro_batch_size_per_gpu": w.batch, "gradient_accumulation_steps": w.grad_accum,
-              "gradient_clipping": MAX_GRAD_NORM, **_precision(w), "optimizer": OPTIMIZERS[w.optimizer],
+              "gradient_clipping": w.max_grad_norm, **_precision(w), "optimizer": OPTIMIZERS[w.optimizer],
               "zero_optimization": _zero(layout, hidden_size), "steps_per_print": 100}
-    if w.optimizer != "adamw":
+    if OPTIMIZERS[w.optimizer]["type"] != "AdamW":
         config["zero_allow_untested_optimizer"] = True  # DeepSpeed tests ZeRO with Adam-family optimizers
     return config
 

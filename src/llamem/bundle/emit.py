@@ -2,33 +2,40 @@
 
 The layout decides the strategy (`llamem.parallel` sizes each one as these engines run it):
 one GPU runs unwrapped; DDP runs torch DistributedDataParallel; ZeRO-3 without offload runs
-FSDP2 `fully_shard` (its full shard is ZeRO-3); ZeRO-1/2 and every offload run DeepSpeed, whose
-accounting `llamem.parallel` follows. `engine` picks the launcher: torchrun, the DeepSpeed
-launcher, or accelerate (which drives DDP, FSDP2 or DeepSpeed itself).
+FSDP2 `fully_shard` (its full shard is ZeRO-3), except under a LoRA base, whose ZeRO-3 figure is
+DeepSpeed's; ZeRO-1/2 and every offload run DeepSpeed, whose accounting `llamem.parallel` follows.
+Tensor parallel (one replica) runs torch's `parallelize_module`, pipeline parallel (one replica)
+`torch.distributed.pipelining`, both under torchrun. `engine` picks the launcher: torchrun, the
+DeepSpeed launcher, or accelerate (which drives DDP, FSDP2 or DeepSpeed itself). Generation plans get
+generate.py: one GPU, replicas, a device_map (one process; the plan's pipeline stages) or tensor
+parallel.
 
-What the bundle cannot run (tensor or pipeline parallelism, generation, distillation, sharded
-quantized bases, 8-bit AdamW on shards) is still written, with the reason in README.md and a
-launch.sh that prints it and exits 1: never a script that runs something else.
+What the bundle cannot run (tensor or pipeline parallelism with data parallelism, both together,
+distillation, sharded quantized bases, 8-bit AdamW on shards, settings train.py does not apply) is
+still written by `emit_bundle`, with the reason in README.md and a launch.sh that prints it and exits
+1: never a script that runs something else. `llamem plan --emit` never gets there: its search keeps
+only what `bundle_runs` accepts, and `emit_plan` refuses the rest before writing.
 """
-
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from llamem.bundle.accelerate import accelerate_config, to_yaml
-from llamem.bundle.deepspeed import LEARNING_RATE, MAX_GRAD_NORM, OPTIMIZERS, ds_config
+from llamem.bundle.deepspeed import LEARNING_RATE, OPTIMIZERS, ds_config
 from llamem.bundle.launch import Processes, launch_script
+from llamem.bundle.layouts import describe, device_map
 from llamem.bundle.readme import readme
-from llamem.bundle.script import train_script
+from llamem.bundle.script import generate_script, train_script
 from llamem.bundle.slurm import slurm_script
 from llamem.errors import LlamemError, UsageError
 from llamem.gpus import GPU
-from llamem.model import ModelSpec
+from llamem.model import HF_CLASSES, ModelSpec
 from llamem.parallel import Layout
 from llamem.plan import Plan, Space, command, confirm, evaluate
 from llamem.workload import LOSS_CHUNKS, Workload
@@ -37,7 +44,7 @@ ENGINES = ("any", "torchrun", "deepspeed", "accelerate")
 MAX_STEPS = 20
 """Optimizer steps train.py runs unless told `--max-steps`."""
 _ZERO = ("zero1", "zero2", "zero3")
-BUNDLE_FILES = frozenset({"train.py", "launch.sh", "config.json", "ds_config.json", "accelerate.yaml", "README.md"})
+BUNDLE_FILES = frozenset({"train.py", "generate.py", "launch.sh", "config.json", "ds_config.json", "accelerate.yaml", "README.md"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,13 +67,18 @@ def emit_bundle(plan: Plan, directory: str | os.PathLike, *, engine: str = "any"
         raise LlamemError(f"engine {engine!r} is not one of: {', '.join(ENGINES)}")
     folder = _folder(directory)
     w, layout = plan.final.workload, plan.final.layout
-    strategy, launcher = choose(layout, engine)
-    unsupported = unsupported_reason(w, layout, strategy)
+    strategy, launcher = choose(layout, engine, adapters=w.uses_adapters, generation=not w.is_training)
+    unsupported = unsupported_reason(w, layout, strategy, plan.model)
     processes = _processes(plan)
-    settings = train_settings(plan, strategy, launcher, unsupported, model_id)
-    title = f"{plan.model.name}: {layout.describe()} on {plan.num_gpus} x {plan.gpu.name}, planned by llamem"
-    files = {"train.py": train_script(w, settings, title),
-             "launch.sh": launch_script(launcher=launcher, processes=processes, title=title, unsupported=unsupported),
+    title = f"{plan.model.name}: {describe(layout, strategy)} on {plan.num_gpus} x {plan.gpu.name}, planned by llamem"
+    if w.is_training:
+        script = "train.py"
+        files = {script: train_script(w, train_settings(plan, strategy, launcher, unsupported, model_id), title)}
+    else:
+        script = "generate.py"
+        files = {script: generate_script(w, generate_settings(plan, strategy, launcher, unsupported, model_id), title)}
+    files |= {"launch.sh": launch_script(launcher=launcher, processes=processes, title=title, unsupported=unsupported,
+                                         script=script),
              "slurm.sbatch": slurm_script(launcher=launcher, processes=processes, title=title),
              "config.json": json.dumps(hf_config_dict(plan.model), indent=2) + "\n"}
     if strategy == "deepspeed" and not unsupported:
@@ -90,19 +102,60 @@ PLAN_ENGINES = {"any": "any", "fsdp2": "torchrun", "deepspeed": "deepspeed", "ac
 """`llamem plan --engine` -> the bundle's engine. The Trainer runs on accelerate: its bundle is accelerate's."""
 
 
-def emit_for_cli(plan: Plan, directory: str | os.PathLike, engine: str = "any") -> str:
-    """`llamem plan --emit DIR`: the bundle of a plan that fits, and the line that says what was written.
-    `engine` is the plan's `--engine` (`PLAN_ENGINES`); Megatron-LM gets arguments, not a bundle."""
-    if not plan.fits:
-        return f"no bundle written to {directory}: the plan does not fit"
+def bundle_runs(engine: str = "any") -> Callable[[ModelSpec, Workload, Layout], bool]:
+    """The search's filter under `llamem plan --emit --engine ENGINE`: whether the bundle written for a
+    configuration runs it (`make_plan(runnable=...)`), so that the plan never picks one it refuses."""
     if engine == "megatron":
-        return (f"no bundle written to {directory}: llamem emits Megatron-LM arguments only (above), "
-                "not a launch bundle")
+        raise UsageError("--emit writes launch bundles and --engine megatron prints Megatron-LM arguments only: "
+                         "drop --emit, or choose another --engine")
+    bundle_engine = PLAN_ENGINES[engine]
+
+    def runs(spec: ModelSpec, w: Workload, layout: Layout) -> bool:
+        try:
+            strategy, _launcher = choose(layout, bundle_engine, adapters=w.uses_adapters,
+                                         generation=not w.is_training)
+        except LlamemError:
+            return False
+        return unsupported_reason(w, layout, strategy, spec) is None
+
+    return runs
+
+
+@dataclass(frozen=True, kw_only=True)
+class Emitted:
+    """What `llamem plan --emit DIR` wrote: the line it prints, and the `bundle` entry of its JSON."""
+
+    line: str
+    data: dict | None
+    """directory, files, strategy, launcher and the launch command; None where nothing was written."""
+
+
+def emit_plan(plan: Plan, directory: str | os.PathLike, engine: str = "any") -> Emitted:
+    """`llamem plan --emit DIR`: the bundle of a plan that fits. `engine` is the plan's `--engine`
+    (`PLAN_ENGINES`). A configuration the bundle would refuse is an error before anything is written
+    (the CLI's search, filtered by `bundle_runs`, picks none)."""
+    if not plan.fits:
+        return Emitted(line=f"no bundle written to {shown_path(directory)}: the plan does not fit", data=None)
+    bundle_runs(engine)  # Megatron-LM gets arguments, not a bundle
+    layout = plan.final.layout
+    strategy, _launcher = choose(layout, PLAN_ENGINES[engine], adapters=plan.final.workload.uses_adapters,
+                                generation=not plan.final.workload.is_training)
+    reason = unsupported_reason(plan.final.workload, layout, strategy, plan.model)
+    if reason:
+        raise LlamemError(f"no bundle written to {shown_path(directory)}: the plan's configuration "
+                          f"({layout.describe()}) has no launch bundle: {reason}")
     bundle = emit_bundle(plan, directory, engine=PLAN_ENGINES[engine])
-    line = f"bundle: {shown_path(bundle.directory)}/ ({', '.join(bundle.files)}); "
-    if bundle.unsupported:
-        return line + f"launch.sh refuses to run it: {bundle.unsupported}"
-    return line + f"bash {shown_path(bundle.directory / 'launch.sh')} (--cpu --random-init --max-steps 2 rehearses it on CPU)"
+    launch = f"bash {shown_path(bundle.directory / 'launch.sh')}"
+    data = {"directory": str(bundle.directory), "files": list(bundle.files), "strategy": bundle.strategy,
+            "launcher": bundle.launcher, "launch": launch, "rehearsal": f"{launch} --cpu --random-init --max-steps 2"}
+    line = (f"bundle: {shown_path(bundle.directory)}/ ({', '.join(bundle.files)}); {launch} (--cpu --random-init "
+            "--max-steps 2 rehearses it on CPU)")
+    return Emitted(line=line, data=data)
+
+
+def emit_for_cli(plan: Plan, directory: str | os.PathLike, engine: str = "any") -> str:
+    """`emit_plan`'s line."""
+    return emit_plan(plan, directory, engine).line
 
 
 MARKER = ".llamem-bundle"
@@ -141,10 +194,24 @@ def shown_path(path) -> str:
     return shlex.quote(text) if text.isprintable() else ascii(text)
 
 
-def choose(layout: Layout, engine: str) -> tuple[str, str]:
-    """(strategy, launcher) for a layout and the engine asked for."""
+def choose(layout: Layout, engine: str, *, adapters: bool = False, generation: bool = False) -> tuple[str, str]:
+    """(strategy, launcher) for a layout and the engine asked for; `adapters`: the model trains LoRA adapters;
+    `generation`: the plan generates (generate.py: torchrun, or one python process for a device_map)."""
+    if generation:
+        if layout.tp > 1 and layout.pp > 1:
+            return "tp+pp", "torchrun"
+        if layout.pp > 1:
+            return "device_map", "python"
+        return ("tp" if layout.tp > 1 else "replicas" if layout.dp > 1 else "single"), "torchrun"
+    if layout.tp > 1 or layout.pp > 1:
+        if engine not in ("any", "torchrun"):
+            raise LlamemError(f"the plan's layout ({layout.describe()}) runs with torchrun (torch's tensor parallel "
+                              "and pipelining): emit with engine 'torchrun' or 'any'")
+        return ("tp" if layout.pp == 1 else "pp" if layout.tp == 1 else "tp+pp"), "torchrun"
     needs_deepspeed = layout.sharding in ("zero1", "zero2") or layout.offload != "none"
     native = {"none": "single", "ddp": "ddp", "zero3": "fsdp2"}.get(layout.sharding, "deepspeed")
+    if native == "fsdp2" and layout.engine == "deepspeed" and engine == "any" and adapters:
+        native = "deepspeed"  # ZeRO-3 of a LoRA base is sized by DeepSpeed's accounting: run it there
     if engine == "torchrun" and needs_deepspeed:
         raise LlamemError(f"the plan's layout ({layout.describe()}) runs with DeepSpeed: FSDP2 has no ZeRO-1/2 and "
                           "its CPU offload moves parameters too; emit with engine 'deepspeed' or 'accelerate'")
@@ -156,14 +223,15 @@ def choose(layout: Layout, engine: str) -> tuple[str, str]:
     return strategy, launcher
 
 
-def unsupported_reason(w: Workload, layout: Layout, strategy: str) -> str | None:
+def unsupported_reason(w: Workload, layout: Layout, strategy: str, spec: ModelSpec | None = None) -> str | None:
     """Why the bundle cannot run this configuration as planned, or None."""
-    if layout.tp > 1:
-        return "tensor parallel bundles are not emitted yet: choose --gpus so the plan uses data parallel / ZeRO"
-    if layout.pp > 1:
-        return "pipeline parallel bundles are not emitted yet: choose --gpus so the plan uses data parallel / ZeRO"
+    unrun = unrun_settings(w)
+    if unrun:
+        return f"train.py does not apply {unrun}: plan without it"
     if not w.is_training:
-        return "bundles run training plans: generation needs no launcher (use the code of `llamem plan --code`)"
+        return generation_reason(w, layout, strategy, spec)
+    if strategy in ("tp", "pp", "tp+pp"):
+        return model_parallel_reason(w, layout, strategy, spec)
     if w.task == "distill":
         return "distillation bundles are not emitted yet: train.py has no teacher forward"
     if w.quant != "none" and layout.sharding in _ZERO:
@@ -171,9 +239,66 @@ def unsupported_reason(w: Workload, layout: Layout, strategy: str) -> str | None
                 "shards): choose --gpus so the plan uses DDP, or one GPU")
     if strategy == "deepspeed" and w.optimizer not in OPTIMIZERS:
         return f"DeepSpeed cannot build {w.optimizer} from its config: plan with --exact, or without ZeRO"
-    if strategy == "fsdp2" and w.optimizer in ("adamw8bit", "adafactor"):
+    if strategy == "fsdp2" and w.uses_adapters:
+        return ("LoRA under FSDP2 is not sized by llamem (its ZeRO-3 figure of a LoRA base is DeepSpeed's): emit with "
+                "engine 'deepspeed', or choose --gpus so the plan uses DDP")
+    if strategy == "fsdp2" and w.optimizer in ("adamw8bit", "adafactor", "adamw-fused"):
         # torch's Adafactor fails on DTensor gradients ("in-place operations that require placement changes").
         return f"{w.optimizer} on FSDP2 shards (DTensors) is not emitted yet: plan with --exact, or with DDP"
+    return None
+
+
+def unrun_settings(w: Workload) -> str:
+    """The workload's settings train.py does not apply (its figures would not be the plan's), or ""."""
+    settings = {"torch.compile (--compile)": w.compile, "Liger's fused loss (--liger)": w.liger,
+                "the optimizer step in backward": w.optimizer_in_backward,
+                f"{w.ac_mode} activation checkpointing": w.ac_every and w.ac_mode != "full"}
+    return ", ".join(name for name, used in settings.items() if used)
+
+
+DEVICE_MAP_GPUS = 8
+"""A device_map is one process driving its node's GPUs: at most 8 (a DGX node)."""
+
+
+def generation_reason(w: Workload, layout: Layout, strategy: str, spec: ModelSpec | None) -> str | None:
+    """What the generation bundles do not run (yet), each with the change to make."""
+    instead = "choose --gpus so the plan uses one of device_map (layers split), tensor parallel or replicas"
+    if strategy == "tp+pp" or (strategy in ("tp", "device_map") and layout.dp > 1):
+        return f"generation bundles split the model one way per replica, not {layout.describe()}: {instead}"
+    if w.quant != "none":
+        return (f"a {w.quant} base is not emitted in generation bundles yet (bitsandbytes places it while loading): "
+                "plan with --exact, or use the code of `llamem plan --code`")
+    if strategy == "tp" and spec is not None and spec.num_kv_heads % layout.tp:
+        return (f"tensor parallel {layout.tp} over {spec.num_kv_heads} KV heads replicates them, which the bundle "
+                f"does not: {instead}")
+    if strategy == "device_map" and layout.pp > DEVICE_MAP_GPUS:
+        return f"a device_map is one process on one node, at most {DEVICE_MAP_GPUS} GPUs: {instead}"
+    if w.kv_dtype in ("fp8", "int8", "int4"):
+        return f"a {w.kv_dtype} KV cache is not emitted yet (it needs a quantized cache backend): {instead}"
+    return None
+
+
+MODEL_PARALLEL = {"tp": "tensor parallel", "pp": "pipeline parallel", "tp+pp": "tensor and pipeline parallel"}
+
+
+def model_parallel_reason(w: Workload, layout: Layout, strategy: str, spec: ModelSpec | None) -> str | None:
+    """What the tensor- and pipeline-parallel bundles do not run (yet), each with the change to make."""
+    name, instead = MODEL_PARALLEL[strategy], "choose --gpus so the plan uses data parallel / ZeRO"
+    if strategy == "tp+pp":
+        return f"{name} together are not emitted yet: {instead}, or one of the two"
+    if layout.dp > 1 or layout.sharding not in ("none", "ddp") or layout.offload != "none":
+        return f"{name} bundles run one replica, without data parallel, ZeRO or offload: {instead}"
+    if not w.is_training or w.task != "train":
+        return f"{name} bundles train the whole model (--task train), not --task {w.task}: {instead}"
+    if w.quant != "none" or w.optimizer not in ("adamw", "adamw-foreach", "adamw-loop", "sgd") or (
+            w.precision == "fp16-mixed"):
+        return (f"{name} bundles run AdamW or SGD in fp32, bf16-mixed or bf16, unquantized (here: {w.optimizer}, "
+                f"{w.precision}{', ' + w.quant if w.quant != 'none' else ''}): {instead}")
+    if w.loss != "full":
+        return f"{name} bundles compute the loss in one piece, not chunked: {instead}"
+    if strategy == "tp" and spec is not None and spec.num_kv_heads % layout.tp:
+        return (f"tensor parallel {layout.tp} over {spec.num_kv_heads} KV heads replicates them, which the bundle "
+                f"does not: {instead}, or a degree dividing {spec.num_kv_heads}")
     return None
 
 
@@ -188,18 +313,33 @@ def train_settings(plan: Plan, strategy: str, launcher: str, unsupported: str | 
     w, layout = plan.final.workload, plan.final.layout
     return {"model_name": plan.model.name, "model_id": model_id or plan.model.hf_id, "strategy": strategy,
             "launcher": launcher, "layout_description": layout.describe(), "num_gpus": layout.num_gpus,
+            "tp": layout.tp, "pp": layout.pp, "pipeline_schedule": layout.pipeline_schedule,
+            "num_layers": plan.model.num_layers,
             "unsupported": unsupported, "task": w.task, "micro_batch": w.batch, "grad_accum": w.grad_accum,
             "seq": w.seq, "vocab_size": plan.model.vocab_size, "precision": w.precision, "mixed": w.mixed,
             "compute_dtype": w.compute_dtype, "quantized": w.quant != "none", "optimizer": w.optimizer,
-            "lr": LEARNING_RATE, "max_grad_norm": MAX_GRAD_NORM, "ac_every": w.ac_every, "loss": w.loss,
+            "lr": LEARNING_RATE, "max_grad_norm": w.max_grad_norm, "ac_every": w.ac_every, "loss": w.loss,
             "loss_chunks": LOSS_CHUNKS, "max_steps": MAX_STEPS, "peak_allocated_bytes": plan.final.allocated_bytes,
             "device_bytes": plan.final.device_bytes, "command": plan.command}
+
+
+def generate_settings(plan: Plan, strategy: str, launcher: str, unsupported: str | None,
+                      model_id: str | None) -> dict:
+    """What generate.py needs of the plan (its PLAN dict)."""
+    w, layout = plan.final.workload, plan.final.layout
+    return {"model_name": plan.model.name, "model_id": model_id or plan.model.hf_id, "strategy": strategy,
+            "launcher": launcher, "layout_description": describe(layout, strategy), "num_gpus": layout.num_gpus,
+            "unsupported": unsupported, "batch": w.batch, "seq": w.seq, "new_tokens": w.new_tokens,
+            "vocab_size": plan.model.vocab_size,
+            "device_map": device_map(plan.model.num_layers, layout.pp) if strategy == "device_map" else None,
+            "peak_allocated_bytes": plan.final.allocated_bytes, "device_bytes": plan.final.device_bytes,
+            "command": plan.command}
 
 
 def hf_config_dict(spec: ModelSpec) -> dict:
     """The model's config.json, which `--random-init` builds the model from."""
     config = {k: v for k, v in spec.config.items() if k not in ("torch_dtype", "dtype")}
-    architecture = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[spec.model_type]
+    architecture = HF_CLASSES[spec.model_type][1]
     config.setdefault("architectures", [architecture])
     return config
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llamem.bundle.launch import Processes
+from llamem.bundle.layouts import describe
 from llamem.parallel import fsdp2_problems, per_gpu_phases, with_engine
 from llamem.plan import Plan
 from llamem.reporters.plan_report import render_plan
@@ -13,6 +14,10 @@ STRATEGY_TEXT = {
     "ddp": "torch DistributedDataParallel, one replica per GPU",
     "fsdp2": "FSDP2: `fully_shard` on the embedding, every decoder layer, the head, then the root (ZeRO-3)",
     "deepspeed": "DeepSpeed ZeRO from ds_config.json",
+    "tp": "tensor parallel: torch's `parallelize_module` with Megatron-style splits of attention and MLP, the "
+          "embedding and head split over the vocabulary, the loss computed on the shards (`loss_parallel`)",
+    "pp": "pipeline parallel: `torch.distributed.pipelining`, one stage per process, the accumulation steps as "
+          "the pipeline's micro-batches",
 }
 AGREEMENT = {
     "single": "llamem sizes one GPU as `llamem trace` runs it: on CPU a tiny Llama's peak was the estimate's to the "
@@ -37,12 +42,23 @@ AGREEMENT = {
                  "estimate's within 0.3 %, ZeRO-1 held what ZeRO-2 holds (6 % below the estimate, which keeps "
                  "ZeRO-1's 16-bit gradients whole) and ZeRO-3 was 8 % above it. On CPU offloaded state stays in the "
                  "same process: the CPU figures of an offloading plan count host and device together.",
+    "tp": "llamem sizes tensor parallelism Megatron-style (heads, KV heads, MLP width and vocabulary split, norms "
+          "and the residual stream whole), as this bundle runs it. On 2 CPU ranks of a tiny Llama each rank held "
+          "exactly its shards once wrapped and peaked 4 % above the estimate, in the optimizer step (its foreach "
+          "temporaries over two parameter groups, the sharded and the replicated ones).",
+    "pp": "llamem sizes the busiest stage as holding ceil(L/p) layers and both the embedding and the head, with "
+          "min(p, M) micro-batches' activations in flight under 1F1B: an upper bound for every stage, since the "
+          "first holds no head and the last no embedding. On 2 CPU stages of a tiny Llama (whose embedding and "
+          "head are half of its weights) each stage held exactly its layers and peaked 25 to 36 % below the "
+          "estimate; for a large model the two tensors are a few percent of a stage.",
 }
 """How a rank's measured peak compares with the plan's allocated figure, per strategy (measured on CPU);
 "fsdp2-sized": with the figure of `--engine fsdp2`, for the FSDP2 bundles that accounting sizes."""
 FILE_TEXT = {
     "train.py": "the training loop: the plan's settings (`PLAN`), the model as `llamem plan --code` loads it, "
                 "the strategy, random token ids",
+    "generate.py": "generation: the plan's settings (`PLAN`), the model and `generate` options as `llamem plan "
+                   "--code` writes them, the placement on the GPUs, random prompts",
     "launch.sh": "starts one process per GPU",
     "slurm.sbatch": "runs launch.sh on every node of a Slurm job (`sbatch slurm.sbatch`)",
     "config.json": "the model's config, which `--random-init` builds it from",
@@ -55,7 +71,7 @@ FILE_TEXT = {
 def readme(plan: Plan, *, strategy: str, launcher: str, processes: Processes, unsupported: str | None,
            files: list[str]) -> str:
     final = plan.final
-    lines = [f"# {plan.model.name}: {final.layout.describe()} on {plan.num_gpus} x {plan.gpu.name}", "",
+    lines = [f"# {plan.model.name}: {describe(final.layout, strategy)} on {plan.num_gpus} x {plan.gpu.name}", "",
              "A launch bundle written by `llamem plan --emit`.", ""]
     if unsupported:
         lines += [f"**This bundle does not run the plan: {unsupported}.** `launch.sh` prints this and exits 1.", ""]
@@ -63,9 +79,15 @@ def readme(plan: Plan, *, strategy: str, launcher: str, processes: Processes, un
               f"Per GPU: **{format_gib(final.device_bytes)}** of device memory ({final.device_bytes:,} bytes; "
               f"{final.allocated_bytes:,} bytes allocated by PyTorch at the peak), the figures of", "",
               f"    {plan.command}", ""]
-    lines += ["## Files", "", *(f"- `{name}`: {FILE_TEXT[name]}" for name in files), ""]
-    if not unsupported:
+    texts = {**FILE_TEXT, **({"launch.sh": "starts generate.py: one process for all the GPUs"} if launcher == "python"
+                             else {})}
+    lines += ["## Files", "", *(f"- `{name}`: {texts[name]}" for name in files), ""]
+    if unsupported:
+        pass
+    elif plan.final.workload.is_training:
         lines += _launch_section(plan, strategy, launcher, processes) + _run_section(plan, strategy)
+    else:
+        lines += generation_section(plan, strategy, processes)
     return "\n".join(lines)
 
 
@@ -140,3 +162,73 @@ def _run_section(plan: Plan, strategy: str) -> list[str]:
             "- With llamem installed each rank also writes llamem's MemoryMonitor log, `memory-rank{R}.jsonl` "
             "(`--memory-log`).",
             ""]
+
+
+GENERATION_TEXT = {
+    "single": "one process on one GPU",
+    "replicas": "one process per GPU (torchrun), each generating its share of the prompts with a whole copy of "
+                "the model",
+    "device_map": "one process (`python generate.py`) that places the decoder layers on the GPUs in runs, as "
+                  "transformers' `device_map` does",
+    "tp": "tensor parallel under torchrun (torch's `parallelize_module`: attention and MLP split Megatron-style, "
+          "the embedding and the head over the vocabulary, the last token's logits gathered for sampling)",
+}
+THROUGHPUT_TEXT = {
+    "single": "",
+    "replicas": "Each GPU generates on its own: throughput grows with the GPUs, each needing the whole model.",
+    "device_map": "The GPUs work one after another: each token passes GPU 0, then GPU 1, and so on, so one GPU is "
+                  "busy at a time and a token takes as long as on one GPU that held the whole model (plus the "
+                  "hand-offs). The split buys memory, not speed; tensor parallelism (`--tp`) makes every GPU work on "
+                  "every token, where the heads divide.",
+    "tp": "Every GPU works on every token (each reads its share of the weights and KV cache per decoded token), at "
+          "the cost of two all-reduces per layer per token: faster than a device_map's GPUs, which work one after "
+          "another. transformers' `tp_plan=\"auto\"` runs the same splits for attention and MLP but keeps the "
+          "embedding whole on every GPU (vocabulary x hidden size more per GPU than llamem sizes); this bundle "
+          "splits it as sized.",
+}
+
+
+def generation_section(plan: Plan, strategy: str, processes: Processes) -> list[str]:
+    """Launch, placement, throughput and the CPU rehearsal of a generation bundle."""
+    w = plan.final.workload
+    lines = ["## Launch", "", f"{GENERATION_TEXT[strategy][0].upper()}{GENERATION_TEXT[strategy][1:]}.", "",
+             "    bash launch.sh                     # loads the checkpoint and generates from random prompts", ""]
+    if strategy == "device_map":
+        lines += ["Placement (`PLAN['device_map']` in generate.py): " + _placement(plan.model.num_layers,
+                                                                               plan.final.layout.pp), ""]
+    elif processes.nodes > 1:
+        lines += [f"The plan needs {processes.nodes} nodes: NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT as in "
+                  "`launch.sh`'s header, or `sbatch slurm.sbatch`.", ""]
+    lines += [THROUGHPUT_TEXT[strategy], ""] if THROUGHPUT_TEXT[strategy] else []
+    lines += ["On CPU, without a GPU (a rehearsal of the same processes):", "",
+              "    bash launch.sh --cpu --random-init", "",
+              f"generates {w.new_tokens} tokens after {w.batch} random prompt{'s' if w.batch > 1 else ''} of {w.seq} "
+              "tokens and prints `rank R step S new_tokens=N last=T peak_bytes=B` (llamem's CpuMemoryTracker) and "
+              "the run's `rank R peak_bytes=B`; compare with `peak_allocated_bytes` of "
+              f"`{plan.command} --json` ({plan.final.allocated_bytes:,}).", "", GENERATION_AGREEMENT[strategy], ""]
+    return lines
+
+
+def _placement(num_layers: int, gpus: int) -> str:
+    per = -(-num_layers // gpus)
+    parts = []
+    for gpu in range(gpus):
+        first, last = gpu * per, min((gpu + 1) * per, num_layers) - 1
+        run = f"layer {first}" if first == last else f"layers {first}-{last}"
+        held = (["the embedding"] if gpu == 0 else []) + ([run] if first <= last else [])
+        held += ["the final norm and the head"] if gpu == gpus - 1 else []
+        parts.append(f"GPU {gpu}: {', '.join(held)}")
+    return "; ".join(parts) + "."
+
+
+GENERATION_AGREEMENT = {
+    "single": "llamem sizes one GPU's generation as `llamem trace` runs it.",
+    "replicas": "Each replica is one GPU's generation at its share of the batch.",
+    "device_map": "llamem sizes the busiest GPU of a layer split as holding ceil(L/p) layers with their KV cache "
+                  "and both the embedding and the head (an upper bound: the first GPU has no head, the last no "
+                  "embedding). The CPU rehearsal holds every GPU of the map in one process and prints each GPU's "
+                  "weights; its peak is one GPU's generation (`llamem estimate` without `--gpus`): for a tiny Llama "
+                  "0.9 % above it.",
+    "tp": "llamem sizes tensor-parallel generation with the heads, KV heads, MLP width and vocabulary split, as this "
+          "bundle runs it: on 2 CPU ranks of a tiny Llama each rank peaked 1.8 % above the estimate.",
+}

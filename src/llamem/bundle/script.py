@@ -1,4 +1,5 @@
-"""train.py: the plan's settings and model-loading code, then `train_body.py`'s text.
+"""train.py (generate.py): the plan's settings and model-loading code, then `train_body.py`'s
+(`generate_body.py`'s) text.
 
 The model is loaded by the lines `llamem plan --code` prints (`llamem.techniques.workload_code`:
 dtype, attention, quantization, LoRA), so the bundle and the snippet cannot disagree.
@@ -13,14 +14,26 @@ from llamem.techniques import workload_code
 from llamem.workload import Workload
 
 BODY = Path(__file__).with_name("train_body.py")
+GENERATE_BODY = Path(__file__).with_name("generate_body.py")
 
 
 def train_script(w: Workload, settings: dict, title: str) -> str:
-    imports, code = _body_parts(BODY.read_text())
+    return _script("train.py", BODY, w, settings, title, extra="")
+
+
+def generate_script(w: Workload, settings: dict, title: str) -> str:
+    """generate.py: the same settings and model loading, and `generate`'s options as `llamem plan --code`
+    prints them."""
+    options = "GENERATE_OPTIONS = dict(" + ", ".join(workload_code(w).generate_options) + ")"
+    return _script("generate.py", GENERATE_BODY, w, settings, title, extra=options)
+
+
+def _script(name: str, body: Path, w: Workload, settings: dict, title: str, extra: str) -> str:
+    imports, code = _body_parts(body.read_text())
     parts = [f'#!/usr/bin/env python\n"""{title}\n\nWritten by `llamem plan --emit`; launch it with launch.sh '
-             '(README.md). `python train.py --help` lists its options.\n"""\n\nfrom __future__ import annotations\n',
-             imports, _model_imports(w), _plan_literal(settings), "", "", _load_model(w), code.rstrip("\n"), "", "",
-             'if __name__ == "__main__":', "    main(PLAN, load_model)"]
+             f'(README.md). `python {name} --help` lists its options.\n"""\n\nfrom __future__ import annotations\n',
+             imports, _model_imports(w), _plan_literal(settings), *([extra] if extra else []), "", "",
+             _load_model(w), code.rstrip("\n"), "", "", 'if __name__ == "__main__":', "    main(PLAN, load_model)"]
     return "\n".join(parts) + "\n"
 
 

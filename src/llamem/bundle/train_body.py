@@ -11,7 +11,11 @@ The strategies, as `llamem.parallel` sizes them:
 - ddp: torch DistributedDataParallel, autocast for mixed precision;
 - fsdp2: `fully_shard` on the embedding, each decoder layer, the head, then the root (ZeRO-3), with a
   MixedPrecisionPolicy;
-- deepspeed: ZeRO-1/2/3 with optional CPU offload, from ds_config.json.
+- deepspeed: ZeRO-1/2/3 with optional CPU offload, from ds_config.json;
+- tp: tensor parallel with torch's `parallelize_module` (Megatron-style column/row splits of attention and
+  MLP, vocabulary-parallel embedding and head, the loss computed on the vocabulary shards);
+- pp: pipeline stages with `torch.distributed.pipelining` (1F1B, or GPipe below as many micro-batches as
+  stages), one stage per process, the accumulation steps as the pipeline's micro-batches.
 """
 
 from __future__ import annotations
@@ -141,6 +145,11 @@ def decoder_layers(model):
     return base.model.layers
 
 
+def shifted_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Each position's next token (-100, ignored, after the last), as transformers' causal LM loss shifts them."""
+    return torch.nn.functional.pad(ids, (0, 1), value=-100)[..., 1:]
+
+
 class CausalLMLoss(torch.nn.Module):
     """The model and its loss as one module, so that the wrappers (DDP, FSDP2, DeepSpeed) see every
     call the loss makes, the chunked loss's calls into the decoder and the head included."""
@@ -149,14 +158,28 @@ class CausalLMLoss(torch.nn.Module):
         super().__init__()
         self.model = model
         self.loss_chunks = loss_chunks
+        self.vocab_parallel = False
+        """Tensor parallel: the head's output is sharded over the vocabulary (a DTensor)."""
+
+    def vocab_parallel_loss(self, ids: torch.Tensor) -> torch.Tensor:
+        """The loss on the head's vocabulary shards (torch's `loss_parallel`): no rank holds whole logits."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        hidden = self.model.model(input_ids=ids).last_hidden_state
+        logits = self.model.lm_head(hidden).float()
+        with loss_parallel():
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted_labels(ids).flatten(),
+                                                     ignore_index=-100)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_parallel:
+            return self.vocab_parallel_loss(ids)
         if not self.loss_chunks:
             return self.model(input_ids=ids, labels=ids).loss
         # torchtune's CEWithChunkedOutputLoss: the head and its fp32 upcast run one chunk at a time.
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         hidden = base.model(input_ids=ids).last_hidden_state
-        labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[..., 1:]
+        labels = shifted_labels(ids)
         total = 0.0
         for h_chunk, y_chunk in zip(hidden.chunk(self.loss_chunks, dim=1), labels.chunk(self.loss_chunks, dim=1)):
             logits = base.lm_head(h_chunk).float()
@@ -176,8 +199,9 @@ def build_model(plan: dict, load_model, args: argparse.Namespace) -> CausalLMLos
 
 def make_optimizer(plan: dict, params):
     name, lr = plan["optimizer"], plan["lr"]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, foreach=True)
+    if name in ("adamw", "adamw-foreach", "adamw-fused", "adamw-loop"):
+        kind = {"adamw-fused": {"fused": True}, "adamw-loop": {"foreach": False}}.get(name, {"foreach": True})
+        return torch.optim.AdamW(params, lr=lr, **kind)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
     if name == "adafactor":
@@ -211,7 +235,8 @@ class Run:
     def step(self) -> None:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(self.params, self.plan["max_grad_norm"], foreach=True)
+        if self.plan["max_grad_norm"]:
+            torch.nn.utils.clip_grad_norm_(self.params, self.plan["max_grad_norm"], foreach=True)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -260,7 +285,8 @@ class AccelerateRun(Run):
         self.accelerator.backward(loss)
 
     def step(self) -> None:
-        self.accelerator.clip_grad_norm_(self.params, self.plan["max_grad_norm"])
+        if self.plan["max_grad_norm"]:
+            self.accelerator.clip_grad_norm_(self.params, self.plan["max_grad_norm"])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -269,6 +295,10 @@ def wrap(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tra
     strategy = plan["strategy"]
     if plan["launcher"] == "accelerate" and not args.cpu:
         return wrap_accelerate(plan, module, device)
+    if strategy == "tp":
+        return wrap_tensor_parallel(plan, module, device, world, tracker)
+    if strategy == "pp":
+        return wrap_pipeline(plan, module, device, world, tracker)
     if strategy == "fsdp2":
         run = wrap_fsdp2(plan, module, device, world)
         if tracker is not None:
@@ -339,9 +369,175 @@ def wrap_accelerate(plan: dict, module: CausalLMLoss, device: torch.device) -> R
     return AccelerateRun(plan, module, optimizer, accelerator.device, accelerator)
 
 
+# Tensor and pipeline parallel ---------------------------------------------------------------------
+def split_params(params) -> list[list]:
+    """Parameters as DTensors and as plain tensors, apart: torch's foreach kernels take one kind at a time."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [group for group in (sharded, plain) if group]
+
+
+def clip_(groups: list[list], max_norm: float, process_group=None) -> None:
+    """Gradient clipping by the norm over every rank's gradients: a DTensor's norm covers its shards; with
+    `process_group` (pipeline stages) the stages' squared norms are summed."""
+    squares = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=True)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum()
+    if process_group is not None:
+        dist.all_reduce(total, group=process_group)
+    coefficient = min(1.0, max_norm / (float(total.sqrt()) + 1e-6))
+    for group in groups:
+        torch._foreach_mul_([p.grad for p in group if p.grad is not None], coefficient)
+
+
+class TensorParallelRun(Run):
+    def __init__(self, plan, module, optimizer, device, groups) -> None:
+        super().__init__(plan, module, optimizer, device)
+        self.groups = groups
+
+    def backward(self, loss: torch.Tensor) -> None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():  # the loss's backward runs on the vocabulary shards too
+            (loss / self.plan["grad_accum"]).backward()
+
+    def step(self) -> None:
+        if self.plan["max_grad_norm"]:
+            clip_(self.groups, self.plan["max_grad_norm"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def tensor_parallel_plan(num_layers: int) -> dict:
+    """torchtitan's Llama plan without sequence parallelism: q, k, v, gate and up split by columns (heads and
+    MLP width), o and down by rows (one all-reduce each), the embedding and head over the vocabulary."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    layout = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+              "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for index in range(num_layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            layout[f"model.layers.{index}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            layout[f"model.layers.{index}.{name}"] = RowwiseParallel()
+    return layout
+
+
+def wrap_tensor_parallel(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tracker) -> Run:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh(device.type, (world,))
+    # Every rank loaded the same weights (one seed, one checkpoint): each keeps its piece, one parameter at a
+    # time on the GPU (src_data_rank=None: no scatter from rank 0), never the whole model; then the rest moves.
+    parallelize_module(module.model, mesh, tensor_parallel_plan(module.model.config.num_hidden_layers),
+                       src_data_rank=None)
+    module.to(device)
+    module.vocab_parallel = True
+    gc.collect()  # the whole weights the shards were cut from
+    groups = split_params([p for p in module.parameters() if p.requires_grad])
+    if tracker is not None:  # the replicated norms and the buffers stay the loaded tensors: count them as moved
+        tracker.track([p for p in module.parameters() if not hasattr(p, "to_local")], list(module.buffers()),
+                      category="weights")
+    optimizer = make_optimizer(plan, [{"params": group} for group in groups])
+    return TensorParallelRun(plan, module, optimizer, device, groups)
+
+
+class PipelineStageModule(torch.nn.Module):
+    """One pipeline stage of a Llama: the embedding on the first, a run of decoder layers, the final norm
+    and the head on the last; RoPE's cos and sin computed on each."""
+
+    def __init__(self, model, start: int, stop: int, *, first: bool, last: bool, plan: dict) -> None:
+        super().__init__()
+        base = model.model
+        self.embed_tokens = base.embed_tokens if first else None
+        self.layers = torch.nn.ModuleList(base.layers[start:stop])
+        self.rotary_emb = base.rotary_emb
+        self.norm = base.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.mixed, self.compute_dtype = plan["mixed"], DTYPES[plan["compute_dtype"]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        autocast = torch.autocast(hidden.device.type, dtype=self.compute_dtype) if self.mixed else (
+            contextlib.nullcontext())
+        with autocast:
+            cos_sin = self.rotary_emb(hidden, positions)
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+            return hidden if self.lm_head is None else self.lm_head(self.norm(hidden))
+
+
+def stage_bounds(num_layers: int, stages: int, stage: int) -> tuple[int, int]:
+    """The layers of a stage: ceil(L / p) each, the last stage the rest (llamem sizes the busiest)."""
+    per = -(-num_layers // stages)
+    return min(stage * per, num_layers), min((stage + 1) * per, num_layers)
+
+
+class PipelineRun(Run):
+    """A step is one schedule run over all the micro-batches (the accumulation steps)."""
+
+    def __init__(self, plan, module, optimizer, device, schedule, stage: int, stages: int) -> None:
+        super().__init__(plan, module, optimizer, device)
+        self.schedule, self.stage, self.stages = schedule, stage, stages
+
+    def pipeline_step(self, generator: torch.Generator) -> float:
+        plan = self.plan
+        ids = torch.randint(0, plan["vocab_size"], (plan["micro_batch"] * plan["grad_accum"], plan["seq"]),
+                            generator=generator).to(self.device)
+        losses: list = []
+        if self.stage == 0:
+            self.schedule.step(ids)
+        elif self.stage == self.stages - 1:
+            self.schedule.step(target=shifted_labels(ids), losses=losses)
+        else:
+            self.schedule.step()
+        mean = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
+        dist.broadcast(mean, src=self.stages - 1)  # every stage prints the loss
+        if plan["max_grad_norm"]:
+            clip_([self.params], plan["max_grad_norm"], process_group=dist.group.WORLD)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(mean)
+
+
+def wrap_pipeline(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tracker) -> Run:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = dist.get_rank()
+    start, stop = stage_bounds(plan["num_layers"], world, stage)
+    stage_module = PipelineStageModule(module.model, start, stop, first=stage == 0, last=stage == world - 1,
+                                       plan=plan)
+    del module
+    gc.collect()
+    if tracker is not None:  # on a GPU the stage's weights are moved to it; on CPU `.to()` keeps them
+        tracker.track(stage_module)
+    stage_module.to(device)
+    pipeline_stage = PipelineStage(stage_module, stage_index=stage, num_stages=world, device=device)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    # 1F1B needs as many micro-batches as stages; below that GPipe keeps the same ones in flight.
+    one_f_one_b = plan["pipeline_schedule"] == "1f1b" and plan["grad_accum"] >= world
+    schedule = (Schedule1F1B if one_f_one_b else ScheduleGPipe)(pipeline_stage, n_microbatches=plan["grad_accum"],
+                                                               loss_fn=loss_fn)
+    optimizer = make_optimizer(plan, [p for p in stage_module.parameters() if p.requires_grad])
+    return PipelineRun(plan, stage_module, optimizer, device, schedule, stage, world)
+
+
 # The loop ------------------------------------------------------------------------------------------
 def train_step(run: Run, plan: dict, generator: torch.Generator) -> float:
     """One optimizer step over the plan's micro-batches; the mean loss."""
+    if isinstance(run, PipelineRun):
+        return run.pipeline_step(generator)
     accum, total = plan["grad_accum"], 0.0
     for micro in range(accum):
         ids = torch.randint(0, plan["vocab_size"], (plan["micro_batch"], plan["seq"]), generator=generator)
@@ -350,7 +546,8 @@ def train_step(run: Run, plan: dict, generator: torch.Generator) -> float:
             with run.autocast():
                 loss = run.module(ids)
             run.backward(loss)
-        total += float(loss.detach()) / accum
+        value = loss.detach()
+        total += float(value.full_tensor() if hasattr(value, "full_tensor") else value) / accum
         del loss, ids
     run.step()
     return total
@@ -360,7 +557,7 @@ def hf_model(run: Run):
     module = run.module
     for attribute in ("module", "_orig_mod"):  # DDP, DeepSpeed and accelerate keep the wrapped module here
         module = getattr(module, attribute, module)
-    return module.model
+    return getattr(module, "model", module)  # a pipeline stage is its own model
 
 
 def main(plan: dict, load_model, argv: list[str] | None = None) -> None:
@@ -382,7 +579,8 @@ def main(plan: dict, load_model, argv: list[str] | None = None) -> None:
         del model
         if tracker is not None:
             say(f"rank {rank} wrapped peak_bytes={meter.take()} live_bytes={tracker.live_bytes}")
-        generator = torch.Generator().manual_seed(1000 + rank)
+        # Tensor-parallel ranks and pipeline stages of one replica take the same batch.
+        generator = torch.Generator().manual_seed(1000 + rank // (plan["tp"] * plan["pp"]))
         optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
         with make_monitor(hf_model(run), getattr(run.module, "basic_optimizer", optimizer), tracker, args,
                           rank) as monitor:

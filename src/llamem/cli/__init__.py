@@ -18,7 +18,7 @@ import click
 from llamem.errors import EXIT_DOES_NOT_FIT, EXIT_INVALID_INPUT, EXIT_USAGE, LlamemError, UsageError
 from llamem.model import load_model, parse_overrides
 from llamem.techniques import RECORDS
-from llamem.workload import ALL_TASKS, build_workload, parse_ac, parse_targets
+from llamem.workload import ALL_TASKS, build_workload, parse_ac_fields, parse_targets
 
 
 def _apply(options, command):
@@ -89,9 +89,11 @@ def node_gpus(gpus: int, nodes: int | None, gpus_per_node: int | None,
 def resolve(model, config_path, overrides, task, ac_every, lora_targets, **options):
     """ModelSpec, Workload and teacher from the shared options, and the arguments that name the model
     in a reproduce command."""
-    spec = load_model(model, config_path=config_path, overrides=parse_overrides(overrides))
+    uploaded = click.get_current_context().obj  # a config.json sent to `llamem serve`, checked and overridden
+    spec = uploaded if uploaded is not None else load_model(model, config_path=config_path,
+                                                            overrides=parse_overrides(overrides))
     workload = build_workload(
-        task=task, ac_every=parse_ac(ac_every) if ac_every is not None else None,
+        task=task, **(parse_ac_fields(ac_every) if ac_every is not None else {}),
         lora_targets=parse_targets(lora_targets) if lora_targets is not None else None, **options)
     teacher = load_model(workload.teacher) if workload.teacher else None
     return spec, workload, teacher, model_args(model, config_path, overrides)
@@ -119,7 +121,9 @@ def app():
 @workload_options
 @layout_options
 @node_options
-def estimate(as_json, gpus, tp, pp, sharding, offload, pp_schedule, engine, nodes, gpus_per_node, **options):
+@click.option("--html", "html_path", metavar="FILE", help="Also write the report as one self-contained HTML page.")
+def estimate(as_json, html_path, gpus, tp, pp, sharding, offload, pp_schedule, engine, nodes, gpus_per_node,
+             **options):
     """How much memory a workload takes, and where it goes (analytic, no torch)."""
     from llamem.parallel import make_layout
     from llamem.reporters.json_report import report_to_dict
@@ -137,6 +141,10 @@ def estimate(as_json, gpus, tp, pp, sharding, offload, pp_schedule, engine, node
     layout = make_layout(spec, workload, gpus=gpus, tp=tp, pp=pp, sharding=sharding, offload=offload,
                          pp_schedule=pp_schedule, engine=engine)
     report = estimate_report(spec, workload, layout, teacher)
+    if html_path:
+        from llamem.reporters.html import write_estimate_html
+
+        write_estimate_html(html_path, report, spec, workload, teacher)
     click.echo(json.dumps(report_to_dict(report), indent=2) if as_json else render_report(report))
 
 
@@ -171,20 +179,56 @@ def trace(as_json, save_trace, **options):
 @click.option("--no-truncation", is_flag=True, help="Never shorten sequences (the last resort when nothing else "
               "fits); report the shortfall instead.")
 @click.option("--code", "show_code", is_flag=True, help="Also print the transformers / peft code that applies the plan.")
-@click.option("--emit", "emit_dir", metavar="DIR", help="Write a launch bundle of the plan into DIR: train.py, "
-              "launch.sh (torchrun / DeepSpeed), configs, README.")
+@click.option("--emit", "emit_dir", metavar="DIR", help="Write a launch bundle of the plan into DIR: train.py or "
+              "generate.py, launch.sh (torchrun / DeepSpeed / accelerate), configs, README. The search keeps only "
+              "what the bundle runs.")
 @click.option("--engine", type=click.Choice(["any", "fsdp2", "deepspeed", "accelerate", "trainer", "megatron"]),
               default="any", show_default=True, help="Only layouts this engine runs: fsdp2 (torchrun: DDP, FSDP2), "
               "deepspeed (ZeRO-1/2/3, offload), accelerate or trainer (both), megatron (TP, PP, distributed "
               "optimizer; prints Megatron-LM arguments, no bundle).")
+@click.option("--html", "html_path", metavar="FILE", help="Also write the plan as one self-contained HTML page.")
 @node_options
-def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verify, exact, no_truncation, show_code,
-         emit_dir, engine, nodes, gpus_per_node, **options):
+def plan(as_json, html_path, show_code, emit_dir, **choices):
     """The cheapest set of changes that fits a GPU: a ladder, and the command that reproduces it.
     With several GPUs, --batch x --grad-accum is the global batch per optimizer step."""
-    from llamem.gpus import budget_gpu, get_gpu
-    from llamem.plan import does_not_fit, make_plan
+    from llamem.plan import does_not_fit
     from llamem.reporters.plan_report import plan_to_dict, render_plan
+
+    runnable = None
+    if emit_dir is not None:  # the search keeps only what the bundle runs; a bad --engine fails before it
+        from llamem.bundle.emit import bundle_runs
+
+        runnable = bundle_runs(choices["engine"])
+    result = plan_result(**choices, runnable=runnable)
+    emitted = None
+    if emit_dir is not None:
+        from llamem.bundle.emit import emit_plan
+
+        emitted = emit_plan(result, emit_dir, engine=choices["engine"])
+    if html_path:
+        from llamem.reporters.html import write_plan_html
+
+        write_plan_html(html_path, result)
+    data = plan_to_dict(result) if as_json else None
+    if data is not None and emitted is not None and emitted.data:
+        data["bundle"] = emitted.data
+    click.echo(json.dumps(data, indent=2) if as_json else render_plan(result, show_code=show_code))
+    if emitted is not None:
+        click.echo(emitted.line, err=as_json)
+    if not result.fits:
+        if as_json:  # the plan's JSON says so ("fits": false, "shortfall_bytes"): one document on stdout
+            click.echo(f"error: {does_not_fit(result)}", err=True)
+            return EXIT_DOES_NOT_FIT
+        raise does_not_fit(result)
+    return 0
+
+
+def plan_result(gpu_name, budget, gpus, min_gpus, maximize, host_memory, verify, exact, no_truncation, engine, nodes,
+                gpus_per_node, runnable=None, **options):
+    """The Plan of `llamem plan`'s parsed options (inside its click context): what it prints, and what
+    `llamem serve` answers and bundles."""
+    from llamem.gpus import budget_gpu, get_gpu
+    from llamem.plan import make_plan
     from llamem.units import parse_size
 
     if bool(gpu_name) == bool(budget):
@@ -205,22 +249,12 @@ def plan(as_json, gpu_name, budget, gpus, min_gpus, maximize, host_memory, verif
     host = parse_size(host_memory, "--host-memory") if host_memory else default_host_memory_bytes()
     result = make_plan(spec, workload, gpu, num_gpus=gpus, host_budget_bytes=host, teacher=teacher,
                        maximize_what=maximize, min_gpus=min_gpus, exact=exact, truncate=not no_truncation,
-                       model_args=names, engine=engine)
+                       model_args=names, engine=engine, runnable=runnable)
     if verify and result.fits:
         from llamem.plan_verify import verify_plan
 
         result = verify_plan(result)
-    click.echo(json.dumps(plan_to_dict(result), indent=2) if as_json else render_plan(result, show_code=show_code))
-    if emit_dir is not None:
-        from llamem.bundle.emit import emit_for_cli
-
-        click.echo(emit_for_cli(result, emit_dir, engine=engine), err=as_json)
-    if not result.fits:
-        if as_json:  # the plan's JSON says so ("fits": false, "shortfall_bytes"): one document on stdout
-            click.echo(f"error: {does_not_fit(result)}", err=True)
-            return EXIT_DOES_NOT_FIT
-        raise does_not_fit(result)
-    return 0
+    return result
 
 
 def default_host_memory_bytes() -> int:
@@ -259,19 +293,21 @@ def _register_groups() -> None:
     from llamem.cli.doctor import doctor
     from llamem.cli.monitor import monitor
     from llamem.cli.runtime_reports import explain_oom, report
+    from llamem.cli.serve import serve
 
-    for command in (allocator, doctor, explain_oom, monitor, report):
+    for command in (allocator, doctor, explain_oom, monitor, report, serve):
         app.add_command(command)
 
 
 _register_groups()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; every error becomes a message and an exit code, never a traceback."""
+def main(argv: list[str] | None = None, *, uploaded=None) -> int:
+    """Run the command line; every error becomes a message and an exit code, never a traceback.
+    `uploaded`: the ModelSpec of a config.json `llamem serve` received, standing for `--config`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        code = app.main(args=argv, prog_name="llamem", standalone_mode=False)
+        code = app.main(args=argv, prog_name="llamem", standalone_mode=False, obj=uploaded)
     except LlamemError as err:
         return _fail(argv, type(err).__name__, str(err), err.exit_code)
     except click.exceptions.Exit as err:

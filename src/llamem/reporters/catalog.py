@@ -26,8 +26,10 @@ def model_rows(specs) -> list[dict]:
 
 
 def render_models(specs) -> str:
-    lines = [f"{'name':<18} {'params':>9}  {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} {'vocab':>7}  hf id"]
+    specs = list(specs)
+    width = max([len("name")] + [len(s.name) for s in specs])
+    lines = [f"{'name':<{width}} {'params':>9}  {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} {'vocab':>7}  hf id"]
     for s in specs:
-        lines.append(f"{s.name:<18} {format_count(s.num_params):>9}  {s.num_layers:>6} {s.hidden_size:>6} "
+        lines.append(f"{s.name:<{width}} {format_count(s.num_params):>9}  {s.num_layers:>6} {s.hidden_size:>6} "
                      f"{s.num_heads:>5} {s.num_kv_heads:>3} {s.vocab_size:>7}  {s.hf_id}")
     return "\n".join(lines)

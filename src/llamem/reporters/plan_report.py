@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from llamem.plan import Plan
+from llamem.plan import Plan, shortfall_text, shortfalls
 from llamem.reporters.json_report import workload_dict
 from llamem.snippet import plan_code
 from llamem.units import display_unit, format_in
@@ -33,6 +33,7 @@ def plan_to_dict(plan: Plan) -> dict:
         out["final"]["code"] = plan_code(plan)
     else:
         out["shortfall_bytes"] = plan.shortfall_bytes
+        out["shortfall"] = shortfalls(plan)
     if plan.truncated:
         out["truncated"] = {"requested_seq": plan.start.workload.seq, "seq": plan.final.workload.seq}
     if plan.maximized:
@@ -61,8 +62,7 @@ def render_plan(plan: Plan, show_code: bool = False) -> str:
         lines.append(f"fits: {format_gib(plan.final.device_bytes)} of {format_gib(plan.gpu.memory_bytes)} "
                      f"({format_gib(headroom)} headroom), step time x{plan.relative_step_time:.2f} of the start")
     else:
-        lines.append(f"DOES NOT FIT: the closest configuration needs {format_gib(plan.final.device_bytes)} per GPU "
-                     f"and is {format_gib(plan.shortfall_bytes)} over budget")
+        lines.append(f"DOES NOT FIT: the closest configuration {shortfall_text(plan)}")
     if plan.final.host_bytes:
         lines.append(f"host memory needed for offload: {format_gib(plan.final.host_bytes)} "
                      f"(budget {format_gib(plan.host_budget_bytes)})")

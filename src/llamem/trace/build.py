@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llamem.model import ModelSpec
+from llamem.model import HF_CLASSES, ModelSpec
 from llamem.workload import Workload
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,20 +59,43 @@ class _DequantMatmul(torch.autograd.Function):
 
 
 def hf_config(spec: ModelSpec, workload: Workload):
-    from transformers import LlamaConfig, MistralConfig
+    import transformers
 
-    fields = {k: v for k, v in spec.config.items() if k not in ("torch_dtype", "dtype", "architectures")}
-    cls = MistralConfig if spec.model_type == "mistral" else LlamaConfig
-    config = cls(**fields)
+    fields = {k: v for k, v in spec.config.items() if k not in ("torch_dtype", "dtype", "architectures", "model_type")}
+    config = getattr(transformers, HF_CLASSES[spec.model_type][0])(**fields)
     config._attn_implementation = workload.attn
     return config
 
 
+def hf_model_class(spec: ModelSpec):
+    import transformers
+
+    return getattr(transformers, HF_CLASSES[spec.model_type][1])
+
+
+def check_moe_workload(spec: ModelSpec, workload: Workload) -> None:
+    """Workloads a mixture of experts cannot run as transformers builds it. Its fused experts
+    (MixtralExperts, Qwen3MoeExperts) run torch's grouped_mm by default, which takes bf16 only
+    (torch.nn.functional.grouped_mm); bitsandbytes quantizes nn.Linear modules, not fused 3-D experts."""
+    if not spec.is_moe:
+        return
+    from llamem.errors import InvalidWorkload
+
+    problems = []
+    if workload.weight_dtype != "bf16" and spec.model_type != "llama4_text":
+        problems.append(f"{spec.model_type} runs its experts with torch's grouped_mm, which takes bf16 only: "
+                        f"use --precision bf16 (the weights are {workload.weight_dtype})")
+    if workload.quant != "none":
+        problems.append("quantized mixture-of-experts weights are not modelled (bitsandbytes quantizes Linear "
+                        "modules, not fused experts): use --quant none")
+    if problems:
+        raise InvalidWorkload(problems)
+
+
 def build_meta_model(spec: ModelSpec, workload: Workload, *, dtype: torch.dtype | None = None):
     """The model as a user would have it just before training or generation, on meta."""
-    from transformers import LlamaForCausalLM, MistralForCausalLM
-
-    cls = MistralForCausalLM if spec.model_type == "mistral" else LlamaForCausalLM
+    check_moe_workload(spec, workload)
+    cls = hf_model_class(spec)
     with torch.device("meta"):
         model = cls(hf_config(spec, workload))
     model.to(dtype or TORCH_DTYPES[workload.weight_dtype])
@@ -81,7 +104,12 @@ def build_meta_model(spec: ModelSpec, workload: Workload, *, dtype: torch.dtype 
     if workload.uses_adapters:
         model = _add_lora(model, workload)
     if workload.ac_every:
-        model.activation_checkpointing_enable(every_n_layers=workload.ac_every)
+        kwargs = None
+        if workload.selective_ac:
+            from llamem.trace.selective import checkpoint_kwargs
+
+            kwargs = checkpoint_kwargs()
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=workload.ac_every)
     model.train(workload.is_training)
     return model
 
@@ -146,3 +174,59 @@ def materialise(model, device: str):
     if tied:
         base.lm_head.weight = base.model.embed_tokens.weight
     return model
+
+
+LIGER_IGNORE_INDEX = -100
+
+
+class EmulatedLigerLinearCrossEntropy(torch.autograd.Function):
+    """Liger-Kernel's `LigerFusedLinearCrossEntropyFunction` (ops/fused_linear_cross_entropy.py),
+    which needs Triton on a GPU: the same buffers and matmuls in the same order, with the same
+    locals (a chunk's logits live until the next chunk's exist). Its Triton kernel, which writes
+    the loss and the logits' gradient into the logits in place, allocates nothing and is left out;
+    so is the host sync of `.item()`. Mean reduction, no bias, as transformers' Llama calls it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target):
+        from llamem.analytic.liger import liger_chunk_rows
+
+        tokens, vocab = x.shape[0], weight.shape[0]
+        chunk_size = liger_chunk_rows(tokens, vocab, x.shape[1])
+        grad_input = torch.zeros_like(x)
+        grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
+        loss_1d = torch.zeros(tokens, dtype=torch.float32, device=x.device)
+        target_mask = target != LIGER_IGNORE_INDEX
+        target_mask.sum()  # Liger reads it with .item(): the scalar dies at once
+        for start in range(0, tokens, chunk_size):
+            input_chunk_view = x[start:start + chunk_size]
+            logits_chunk = input_chunk_view @ weight.t()  # autocast casts the view anew each chunk
+            grad_input[start:start + chunk_size] = logits_chunk @ weight  # the weight's cast is cached
+            if grad_weight is not None:  # Liger's local: the cast lives until the next chunk's
+                input_chunk = _liger_weight_gradient(grad_weight, logits_chunk, input_chunk_view)  # noqa: F841
+        loss = torch.sum(loss_1d)
+        ctx.save_for_backward(grad_input, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        torch.ones((), device=grad_output.device)  # `torch.equal(grad_output, torch.tensor(1.0))`
+        grad_input, grad_weight = ctx.saved_tensors  # scaled in place by grad_output when it is not 1
+        return grad_input, grad_weight, None
+
+
+def _liger_weight_gradient(grad_weight, logits_chunk, input_chunk):
+    """`grad_weight += logits.t() @ input`: on Ampere and later an fp32 weight gradient (autocast) is
+    accumulated in place by `addmm(..., out_dtype=float32)` after a cast of the input chunk; otherwise
+    `mm(...).float()` makes the product and its fp32 copy. Returns the local Liger keeps."""
+    if grad_weight.dtype == torch.float32 and logits_chunk.dtype in (torch.float16, torch.bfloat16):
+        return input_chunk.to(logits_chunk.dtype)  # the addmm itself writes into grad_weight
+    grad_weight += torch.mm(logits_chunk.t(), input_chunk).float()
+    return input_chunk
+
+
+def liger_loss(hidden, weight, labels):
+    """Liger's `LigerForCausalLMLoss`: the labels padded and shifted (a contiguous copy), the hidden
+    states flattened, then the fused linear cross-entropy."""
+    padded = torch.nn.functional.pad(labels, (0, 1), value=LIGER_IGNORE_INDEX)
+    shift_labels = padded[..., 1:].contiguous()
+    return EmulatedLigerLinearCrossEntropy.apply(hidden.view(-1, hidden.shape[-1]), weight, shift_labels.view(-1))

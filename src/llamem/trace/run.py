@@ -8,6 +8,7 @@ with the transformers DynamicCache, as `generate` does.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import warnings
 
@@ -29,7 +30,29 @@ BNB_BLOCK = 256
 
 
 def trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None) -> MemoryReport:
+    if workload.compile:
+        return _in_fresh_process(spec, workload, teacher)
+    return trace_here(spec, workload, teacher)
+
+
+def _in_fresh_process(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None) -> MemoryReport:
+    """A compiled trace in a new Python process: in a process that has already traced other
+    workloads, AOT autograd's partition of the loss has come out different (larger, by up to 8 %)
+    than the same workload traced first; a fresh process gives the same bytes every time."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(trace_here, spec, workload, teacher).result()
+
+
+def trace_here(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None) -> MemoryReport:
+    """`trace` in this process."""
     warnings.filterwarnings("ignore")
+    # Python's cyclic collector runs after a count of allocations; starting every trace from a collected
+    # heap makes it run at the same moments whatever ran before in this process (a compiled graph's
+    # reference cycles otherwise free their tensors at history-dependent points).
+    gc.collect()
     notes: list[str] = []
     if workload.task == "distill" and teacher is None:
         from llamem.model import load_model
@@ -40,20 +63,28 @@ def trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None)
     check_teacher(spec, teacher)
     model = build_meta_model(spec, workload)
     teacher_model = build_meta_model(teacher, _teacher_workload(workload), dtype=torch.bfloat16) if teacher else None
-    tracer = StorageTracer()
+    tracer = _compiled().CompiledTracer() if workload.compile else StorageTracer()
     with FakeTensorMode(allow_non_fake_inputs=True), tracer, _recompute_labels(tracer):
         model = _materialise(model, tracer, "weights")
         if teacher_model is not None:
             teacher_model = _materialise(teacher_model, tracer, "weights/teacher").eval()
             label_by_module(teacher_model, tracer)
-        label_by_module(model, tracer)
+        if workload.compile:  # module hooks do not fire inside a compiled graph: its nodes are labelled
+            _compiled().compile_model(model, workload, tracer)
+        else:
+            label_by_module(model, tracer)
         if workload.is_training:
-            optimizer = make_optimizer(model, workload, notes)
+            optimizer = make_optimizer(model, workload, notes, tracer)
             train_steps(model, teacher_model, optimizer, workload, spec, tracer)
             phases = TRAIN_PHASES
         else:
             generate_steps(model, workload, spec, tracer)
             phases = INFER_PHASES
+    if workload.compile:
+        notes += _compiled().compile_notes(tracer)
+    if workload.liger:
+        notes.append("liger: Liger-Kernel's fused linear cross-entropy emulated byte for byte (its Triton kernels "
+                     "cannot run on a CPU); its RMSNorm, SwiGLU and RoPE kernels are not sized")
     if workload.quant != "none":
         notes.append(f"{workload.quant} layers emulated with bitsandbytes' exact byte counts "
                      "(bitsandbytes cannot run on fake tensors)")
@@ -62,6 +93,13 @@ def trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None)
                      "optimum-quanto or hqq; the analytic engine counts it")
     return MemoryReport(model=spec, workload=workload, engine="trace", phases=tracer.phase_peaks(phases),
                         notes=tuple(notes), extra={"events": tracer, "num_events": len(tracer.events)})
+
+
+def _compiled():
+    """`--compile`'s module (imports dynamo and AOT autograd: only when asked for)."""
+    from llamem.trace import compiled
+
+    return compiled
 
 
 @contextlib.contextmanager
@@ -124,7 +162,8 @@ def label_by_module(model, tracer: StorageTracer) -> None:
 
     # Checkpointing wraps a layer's forward, not __call__: hook the submodules so a recompute is seen too.
     for layer in decoder.layers:
-        for sub in (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+        mlp = layer.feed_forward if hasattr(layer, "feed_forward") else layer.mlp  # Llama 4 names it feed_forward
+        for sub in (layer, layer.self_attn, mlp, layer.input_layernorm, layer.post_attention_layernorm):
             sub.register_forward_pre_hook(enter)
             sub.register_forward_hook(leave)
     def after_embedding(module, args, output):
@@ -205,18 +244,71 @@ class EmulatedAdafactor(torch.optim.Optimizer):
             del updates
 
 
-def make_optimizer(model, workload: Workload, notes: list[str]):
+ADAMW_STEPS = {"adamw": {"foreach": True}, "adamw-fused": {"fused": True}, "adamw-loop": {"foreach": False}}
+"""torch AdamW's three implementations of the step, as `--optimizer` names them."""
+
+
+class InBackwardOptimizer:
+    """torchtune's optimizer in backward (`training.register_optim_in_bwd_hooks`): one optimizer per
+    parameter, stepped and zeroed by the parameter's post-accumulate-grad hook, so each gradient is
+    freed as soon as its parameter is updated; `step` and `zero_grad` have nothing left to do."""
+
+    def __init__(self, params, make_one, tracer=None):
+        self.optimizers = {param: make_one([param]) for param in params}
+        self.tracer = tracer
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, param) -> None:
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.label(param.grad, "gradients")
+            saved, tracer.category = tracer.category, "temporaries"
+        optimizer = self.optimizers[param]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if tracer is not None:
+            label_optimizer_state(optimizer, tracer)
+            tracer.category = saved
+
+    @property
+    def state(self) -> dict:
+        return {param: state for optimizer in self.optimizers.values() for param, state in optimizer.state.items()}
+
+    def step(self) -> None:
+        """Every parameter was stepped in backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every gradient was freed in backward."""
+
+
+def make_optimizer(model, workload: Workload, notes: list[str], tracer=None):
     params = [p for p in model.parameters() if p.requires_grad]
-    if workload.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    make_one = _optimizer_factory(workload, notes)
+    if workload.optimizer_in_backward:
+        notes.append("optimizer in backward: one optimizer per parameter, stepped as its gradient is ready")
+        return InBackwardOptimizer(params, make_one, tracer)
+    return make_one(params)
+
+
+def _optimizer_factory(workload: Workload, notes: list[str]):
+    if workload.optimizer in ADAMW_STEPS:
+        return lambda params: torch.optim.AdamW(params, lr=1e-4, **ADAMW_STEPS[workload.optimizer])
     if workload.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)
+        return lambda params: torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)
     if workload.optimizer == "adafactor":
         notes.append("adafactor: torch.optim.Adafactor's state and step temporaries emulated "
                      "(its step reads tensor values, impossible on fake tensors)")
-        return EmulatedAdafactor(params)
+        return EmulatedAdafactor
     notes.append("adamw8bit: bitsandbytes' state emulated byte for byte (its kernels cannot run on fake tensors)")
-    return Emulated8bitAdamW(params)
+    return Emulated8bitAdamW
+
+
+def label_optimizer_state(optimizer, tracer) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tracer.label(value, f"optimizer/{key}")
 
 
 def _autocast(workload: Workload, device: str = "cpu"):
@@ -233,6 +325,8 @@ def _inputs(workload: Workload, spec: ModelSpec, tracer: StorageTracer, device: 
 
 
 def _loss(model, teacher, ids, workload: Workload):
+    if workload.liger:
+        return _liger_loss(model, ids)
     if workload.loss == "chunked":
         return _chunked_loss(model, ids)
     if teacher is None:
@@ -248,6 +342,16 @@ def _kl(student_logits, teacher_logits):
     student = torch.nn.functional.log_softmax(student_logits.float(), dim=-1)
     teacher = torch.nn.functional.log_softmax(teacher_logits.float(), dim=-1)
     return torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean")
+
+
+def _liger_loss(model, ids):
+    """Liger's `lce_forward` in training: the decoder's hidden states go to the fused linear
+    cross-entropy with the head's weight; no logits are returned."""
+    from llamem.trace.build import liger_loss
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.model(input_ids=ids).last_hidden_state
+    return liger_loss(hidden, base.lm_head.weight, ids)
 
 
 def _chunked_loss(model, ids):
@@ -281,12 +385,10 @@ def train_steps(model, teacher, optimizer, workload: Workload, spec: ModelSpec, 
                 if param.grad is not None:
                     tracer.label(param.grad, "gradients")
         tracer.phase, tracer.category = ("optimizer" if step else "warmup"), "temporaries"
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0, foreach=True)
+        if workload.max_grad_norm > 0:  # as the Trainer clips: foreach on a GPU
+            torch.nn.utils.clip_grad_norm_(trainable, workload.max_grad_norm, foreach=True)
         optimizer.step()
-        for state in optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    tracer.label(value, f"optimizer/{key}")
+        label_optimizer_state(optimizer, tracer)
         optimizer.zero_grad(set_to_none=True)
 
 
