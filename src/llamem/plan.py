@@ -132,6 +132,9 @@ class Space:
     runnable: Callable[[ModelSpec, Workload, Layout], bool] | None = None
     """With `llamem plan --emit`: only the configurations its launch bundle runs
     (`llamem.bundle.emit.bundle_runs`); None keeps every configuration."""
+    evaluated: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+    """Each configuration's `evaluate`, kept for the whole search: its rounds and bisection steps
+    meet the same configurations again."""
 
     @property
     def context(self) -> SearchContext:
@@ -360,32 +363,88 @@ def candidates(space: Space, w: Workload, num_gpus: int, *, margin: float = SEAR
     only as far as needed), and on the way everything tried, for the closest one."""
     for variant, layout in itertools.product(technique_variants(w, space.context, space.max_tier),
                                              layouts(space, num_gpus, w)):
+        knobs = memory_knobs(space, w, variant.changes)
         for micro, accum in replica_shares(w, layout.dp, fixed_micro_batch):
             # Under pipeline parallelism the accumulation steps are its micro-batches.
             local = dataclasses.replace(layout, microbatches=accum) if layout.pp > 1 else layout
             if variant.changes.get("optimizer_in_backward") and (accum > 1 or not single_device(local)):
                 continue  # no accumulation, one GPU (`llamem.parallel.IN_BACKWARD_ONE_GPU`): refused if built
-            found = False
-            for options, costs_time in memory_knobs(space, w, variant.changes):
-                try:
-                    shaped = dataclasses.replace(w, **variant.changes, **options, batch=micro, grad_accum=accum)
-                except InvalidWorkload:
-                    continue
-                run = engine_layout(space.engine, local, shaped)
-                if shaped.optimizer_in_backward and not single_device(local):
-                    continue  # the user's own --optimizer-in-backward on a layout of several GPUs
-                if run is None or (space.runnable is not None and not space.runnable(space.spec, shaped, run)):
-                    continue
-                c = evaluate(space, shaped, run, variant.tier, variant.numerics, margin)
-                yield c
-                if acceptable(space, c, rejected):
-                    found = not costs_time
-                    break
+            shape = dict(variant.changes, batch=micro, grad_accum=accum)
+            found = yield from _knob_candidates(space, w, shape, local, knobs, variant, margin, rejected)
             # Smaller micro-batches are tried while the larger one needed checkpointing or a chunked
             # loss (they may need less of either, and accumulation costs no time), and under pipeline
             # parallelism, where more micro-batches shrink the bubble.
             if found and layout.pp == 1:
                 break
+
+
+def _knob_candidates(space: Space, w: Workload, shape: dict, layout: Layout, knobs: list[tuple[dict, bool]],
+                     variant, margin: float, rejected: frozenset):
+    """One structural choice at one micro-batch under each memory knob, cheapest first, up to the
+    first that is acceptable; returns whether that one costs no time. When the cheapest does not fit,
+    the leanest go next (`leanest_knobs`): when none of them fits, none of the others can, and the
+    others are not built (most of a search's configurations do not fit: this saves most of its time)."""
+    tried: dict[int, Candidate | None] = {}
+
+    def at(i: int) -> Candidate | None:
+        if i not in tried:
+            tried[i] = _knob_candidate(space, w, shape, layout, knobs[i][0], variant, margin)
+        return tried[i]
+
+    first = at(0)
+    if first is not None and acceptable(space, first, rejected):
+        yield first
+        return not knobs[0][1]
+    lean = [c for c in map(at, leanest_knobs(knobs)) if c is not None]
+    if lean and not any(acceptable(space, c, rejected) for c in lean):
+        yield from lean
+        return False
+    for i, (_options, costs_time) in enumerate(knobs):
+        c = at(i)
+        if c is None:
+            continue
+        yield c
+        if acceptable(space, c, rejected):
+            return not costs_time
+    return False
+
+
+@lru_cache(maxsize=65536)
+def reshaped(w: Workload, changes: tuple[tuple[str, object], ...]) -> Workload | None:
+    """`w` with `changes`, or None where they make it invalid. Kept: a search builds the same few
+    thousand workloads again in each of its rounds, and checking one costs more than sizing it."""
+    try:
+        return dataclasses.replace(w, **dict(changes))
+    except InvalidWorkload:
+        return None
+
+
+def leanest_knobs(knobs: list[tuple[dict, bool]]) -> list[int]:
+    """Indexes of the knobs that bound the others from below: for training, no checkpointing and full
+    checkpointing of every layer under each loss (full checkpointing is the leanest, except on a model
+    of a layer or two, where its recompute can outweigh what it saves: then none is), for generation
+    no chunking and the smallest prefill chunk."""
+    if "prefill_chunk" in knobs[0][0]:
+        return sorted({0, len(knobs) - 1})
+    return [i for i, (options, _) in enumerate(knobs)
+            if options["ac_every"] in (0, 1) and options["ac_mode"] == "full"]
+
+
+def _knob_candidate(space: Space, w: Workload, shape: dict, layout: Layout, options: dict, variant,
+                    margin: float) -> Candidate | None:
+    """The configuration under one memory knob, or None where it is invalid or not run as emitted."""
+    shaped = reshaped(w, tuple({**shape, **options}.items()))
+    if shaped is None:
+        return None
+    run = engine_layout(space.engine, layout, shaped)
+    if shaped.optimizer_in_backward and not single_device(layout):
+        return None  # the user's own --optimizer-in-backward on a layout of several GPUs
+    if run is None or (space.runnable is not None and not space.runnable(space.spec, shaped, run)):
+        return None
+    key = (shaped, run, variant.tier, variant.numerics, margin)
+    if key not in space.evaluated:
+        space.evaluated[key] = evaluate(space, shaped, run, variant.tier, variant.numerics, margin)
+    return space.evaluated[key]
 
 
 def single_device(layout: Layout) -> bool:
