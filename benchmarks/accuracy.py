@@ -64,9 +64,58 @@ def matrix() -> list[tuple[str, dict]]:
              ("llama-3.2-1b", dict(task="distill", teacher="llama-3.2-3b", batch=1, seq=256))]
     rows += selective_rows()
     rows += family_rows()
+    rows += moe_rows()
     rows += optimizer_rows()
     rows += compile_rows()
+    rows += padding_rows()
+    rows += offload_rows()
     return rows
+
+
+def padding_rows() -> list[tuple[str, dict]]:
+    """Padded batches (`--padding longest`: SDPA's and eager's materialised masks, flash_attention_2's
+    unpadded copies), packed ones (`--padding-free`) and flash_attention_2 (emulated flash-attn), with and
+    without checkpointing, full fine-tuning and LoRA, and Liger's kernels with them. The first three rows
+    join the CI subset."""
+    rows = [("debug", dict(task="train", precision="bf16", batch=2, seq=256, padding="longest")),
+            ("debug", dict(task="train", precision="bf16", batch=2, seq=256, attn="flash_attention_2",
+                           padding="longest", pad_fraction=0.25)),
+            ("debug", dict(task="train", precision="bf16", batch=2, seq=256, attn="flash_attention_2",
+                           padding_free=True))]
+    rows += [(m, dict(task=t, **o)) for m, t, o in (
+        ("tinyllama-1.1b", "train", dict(batch=2, seq=1024, padding="longest")),
+        ("tinyllama-1.1b", "train", dict(batch=2, seq=1024, padding="longest", ac_every=1)),
+        ("tinyllama-1.1b", "train", dict(precision="bf16", batch=2, seq=1024, attn="eager", padding="longest")),
+        ("tinyllama-1.1b", "train", dict(batch=2, seq=1024, attn="flash_attention_2")),
+        ("tinyllama-1.1b", "train", dict(precision="bf16", batch=4, seq=1024, attn="flash_attention_2",
+                                         padding="longest", pad_fraction=0.3)),
+        ("tinyllama-1.1b", "train", dict(batch=4, seq=512, attn="flash_attention_2", padding_free=True)),
+        ("tinyllama-1.1b", "train", dict(batch=4, seq=512, padding_free=True, ac_every=1)),
+        ("tinyllama-1.1b", "lora", dict(batch=4, seq=1024, padding="longest")),
+        ("tinyllama-1.1b", "lora", dict(batch=4, seq=1024, attn="flash_attention_2", padding="longest",
+                                        pad_fraction=0.4, ac_every=1)),
+        ("llama-3.2-1b", "train", dict(precision="bf16", batch=2, seq=1024, padding="longest")),
+        ("llama-3.2-1b", "train", dict(batch=2, seq=2048, attn="flash_attention_2", ac_every=1)),
+        ("llama-3.2-1b", "train", dict(precision="bf16", batch=8, seq=256, attn="flash_attention_2",
+                                       padding_free=True, ac_every=1)),
+        ("llama-3.2-1b", "lora", dict(batch=2, seq=2048, attn="flash_attention_2", padding="longest",
+                                      pad_fraction=0.5)),
+        ("llama-3.2-1b", "qlora", dict(batch=2, seq=1024, attn="flash_attention_2", padding_free=True)),
+        # Liger's RMSNorm, SwiGLU and RoPE with the other attention paths
+        ("tinyllama-1.1b", "train", dict(batch=2, seq=1024, liger=True, attn="flash_attention_2", padding="longest",
+                                         pad_fraction=0.2)),
+        ("tinyllama-1.1b", "qlora", dict(batch=2, seq=1024, liger=True)),
+        ("llama-3.2-1b", "lora", dict(batch=4, seq=512, liger=True, attn="flash_attention_2", padding_free=True)),
+        # SGD keeps no state: these peak where the activations are
+        ("tinyllama-1.1b", "train", dict(precision="bf16", optimizer="sgd", batch=2, seq=2048, attn="flash_attention_2",
+                                         padding="longest", pad_fraction=0.25, ac_every=1)),
+        ("llama-3.2-1b", "train", dict(precision="bf16", optimizer="sgd", batch=2, seq=2048, liger=True,
+                                       padding="longest")),
+        ("llama-3.2-1b", "train", dict(precision="bf16", optimizer="sgd", batch=4, seq=1024, padding_free=True,
+                                       attn="flash_attention_2")),
+    )]
+    # explicit optimizer and clipping: the train defaults follow transformers' Trainer
+    return [(m, {"optimizer": "adamw", "max_grad_norm": 1.0, **o}) for m, o in rows]
 
 
 def compile_rows() -> list[tuple[str, dict]]:
@@ -98,6 +147,11 @@ def compile_rows() -> list[tuple[str, dict]]:
         ("llama-3.1-8b", "train", dict(precision="bf16", ac_every=1, batch=2, seq=4096)),
         ("llama-3.1-8b", "lora", dict(loss="chunked", batch=1, seq=1024)),
         ("llama-3.1-8b", "qlora", dict(batch=1, seq=1024)),
+        # Qwen2's q/k/v biases (fused into addmm: nothing more saved) and Qwen3's q_norm / k_norm.
+        ("qwen2.5-7b", "train", dict(precision="bf16", optimizer="sgd", batch=2, seq=2048)),
+        ("qwen2.5-7b", "lora", dict(batch=2, seq=1024)),
+        ("qwen3-8b", "train", dict(precision="bf16", optimizer="sgd", batch=2, seq=2048)),
+        ("qwen3-8b", "lora", dict(batch=2, seq=1024)),
     )]
     return [(model, {**options, "compile": True}) for model, options in rows]
 
@@ -162,6 +216,44 @@ def family_rows() -> list[tuple[str, dict]]:
     return rows
 
 
+# Mixtures of experts, 2 layers each (every per-layer term is exact); a Qwen3-MoE whose layer 0 is dense
+# (mlp_only_layers) mixes both kinds of layer. Experts run grouped_mm, which takes bf16 weights only.
+MOE_MODELS = {
+    "mixtral-8x7b": {"num_hidden_layers": 2},
+    "mixtral-8x22b": {"num_hidden_layers": 2},
+    "qwen3-30b-a3b": {"num_hidden_layers": 2},
+    "qwen3-30b-a3b-dense-first": {"num_hidden_layers": 2, "mlp_only_layers": [0]},
+}
+
+
+def moe_rows() -> list[tuple[str, dict]]:
+    """Mixtral (top-2 of 8, fp32 routing weights) and Qwen3-MoE (top-8 of 128): router, grouped_mm dispatch
+    and experts in training (full, LoRA on attention, checkpointed) and generation. Memory does not depend on
+    the routing (`analytic/moe.py`), so the trace's random route compares like with like."""
+    rows = []
+    for model in ("mixtral-8x7b", "qwen3-30b-a3b"):
+        rows += [
+            (model, dict(task="train", precision="bf16", optimizer="adamw", batch=1, seq=1024)),
+            # SGD keeps no state, so these peak in backward, where the saved activations are.
+            (model, dict(task="train", precision="bf16", optimizer="sgd", batch=2, seq=2048)),
+            (model, dict(task="train", precision="bf16", optimizer="sgd", ac_every=1, batch=4, seq=2048)),
+            (model, dict(task="train", precision="bf16", optimizer="adamw", grad_accum=2, batch=1, seq=512)),
+            (model, dict(task="lora", precision="bf16", optimizer="adamw", batch=2, seq=1024)),
+            (model, dict(task="lora", precision="bf16", optimizer="adamw", ac_every=1, batch=1, seq=2048)),
+            (model, dict(task="lora", precision="bf16", optimizer="adamw", lora_rank=16,
+                         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), batch=1, seq=512)),
+            (model, dict(task="infer", precision="bf16", batch=2, seq=1024, new_tokens=4)),
+            (model, dict(task="infer", precision="bf16", batch=1, seq=1000, new_tokens=3, prefill_chunk=300)),
+        ]
+    rows += [("mixtral-8x22b", dict(task="train", precision="bf16", optimizer="sgd", batch=1, seq=2048)),
+             ("mixtral-8x22b", dict(task="infer", precision="bf16", batch=1, seq=2048, new_tokens=4)),
+             ("mixtral-8x7b", dict(task="train", precision="bf16", optimizer="sgd", attn="eager", batch=1, seq=512)),
+             ("qwen3-30b-a3b-dense-first", dict(task="train", precision="bf16", optimizer="sgd", batch=2, seq=1024)),
+             ("qwen3-30b-a3b-dense-first", dict(task="lora", precision="bf16", optimizer="adamw", batch=2, seq=1024)),
+             ("qwen3-30b-a3b-dense-first", dict(task="infer", precision="bf16", batch=2, seq=1024, new_tokens=4))]
+    return rows
+
+
 def selective_rows() -> list[tuple[str, dict]]:
     """Selective activation checkpointing (torchtitan's per-op policy) on every layer and on every 2nd
     (with 2 layers: layer 0 selective, layer 1 whole), at shapes where activations make the backward
@@ -184,6 +276,44 @@ def selective_rows() -> list[tuple[str, dict]]:
     ]
 
 
+def offload_rows() -> list[tuple[str, dict]]:
+    """Activation offloading (transformers' `offload=True`: each checkpointed layer's input in pinned host
+    memory) with every layer checkpointed, in each precision, full fine-tuning and adapters; SGD keeps no
+    state, so most peak in backward, where the reloaded inputs are. The two debug rows join the CI subset."""
+    offload = dict(ac_every=1, offload_activations=True)
+    return [
+        ("debug", dict(task="train", precision="bf16", optimizer="sgd", batch=2, seq=512, **offload)),
+        ("debug", dict(task="lora", precision="bf16", optimizer="adamw-fused", batch=2, seq=1024, **offload)),
+        ("tinyllama-1.1b", dict(task="train", precision="bf16", optimizer="sgd", batch=4, seq=4096, **offload)),
+        ("tinyllama-1.1b", dict(task="train", precision="bf16-mixed", optimizer="sgd", batch=2, seq=4096,
+                                **offload)),
+        ("llama-3.2-1b", dict(task="train", precision="bf16", optimizer="sgd", batch=2, seq=4096, **offload)),
+        ("llama-3.2-1b", dict(task="lora", precision="bf16", optimizer="adamw-fused", batch=4, seq=4096,
+                              **offload)),
+        ("llama-3.2-1b", dict(task="qlora", precision="bf16", optimizer="adamw-fused", batch=2, seq=4096,
+                              **offload)),
+        ("llama-2-7b", dict(task="train", precision="bf16", optimizer="sgd", batch=2, seq=4096, **offload)),
+        ("llama-3.1-8b", dict(task="lora", precision="bf16", optimizer="adamw-fused", batch=2, seq=4096,
+                              **offload)),
+        ("llama-3.1-8b", dict(task="train", precision="bf16", optimizer="sgd", liger=True, batch=2, seq=4096,
+                              **offload)),
+        ("tinyllama-1.1b", dict(task="train", precision="bf16", optimizer="adamw-fused", optimizer_in_backward=True,
+                                max_grad_norm=0.0, batch=4, seq=4096, **offload)),
+    ]
+
+
+ROW_DEFAULTS = {"train": dict(precision="bf16-mixed", optimizer="adamw"),
+                "distill": dict(precision="bf16-mixed", optimizer="adamw"),
+                "lora": dict(optimizer="adamw"), "qlora": dict(optimizer="adamw")}
+"""The settings the rows were written against where they name none: llamem's defaults before they
+followed the Trainer's (`llamem.workload.TRAINER_DEFAULTS`), so each row keeps measuring what it did."""
+
+
+def row_workload(options: dict):
+    """A row's workload: its options over `ROW_DEFAULTS`."""
+    return build_workload(**{**ROW_DEFAULTS.get(options.get("task", "train"), {}), **options})
+
+
 def quick_matrix() -> list[tuple[str, dict]]:
     """The CI subset: one of each task and precision on small shapes."""
     return [(m, o) for m, o in matrix() if m == "debug"]
@@ -192,8 +322,8 @@ def quick_matrix() -> list[tuple[str, dict]]:
 def run(rows: list[tuple[str, dict]]) -> list[dict]:
     results = []
     for model, options in rows:
-        spec = load_model(model, overrides=MODELS[model] if model in MODELS else FAMILY_MODELS[model])
-        workload = build_workload(**options)
+        spec = _reduced_model(model)
+        workload = row_workload(options)
         start = time.perf_counter()
         result = compare(spec, workload)
         category, error = result.worst_category
@@ -205,6 +335,15 @@ def run(rows: list[tuple[str, dict]]) -> list[dict]:
             "seconds": time.perf_counter() - start,
         })
     return results
+
+
+def _reduced_model(model: str):
+    """The preset with the row's reduced size (a MOE_MODELS key may name a variant of its preset)."""
+    if model in MODELS:
+        return load_model(model, overrides=MODELS[model])
+    if model in FAMILY_MODELS:
+        return load_model(model, overrides=FAMILY_MODELS[model])
+    return load_model(model.removesuffix("-dense-first"), overrides=MOE_MODELS[model])
 
 
 def print_table(results: list[dict]) -> None:

@@ -13,15 +13,17 @@ import subprocess
 import sys
 
 BASE = ["llama-3.2-3b", "--batch", "2", "--seq", "4096"]
+START = ["--precision", "bf16-mixed", "--optimizer", "adamw"]
+"""torchtune's and the docs' starting point (llamem's own default is what the Trainer gives: bf16, fused AdamW)."""
 
 STEPS: list[tuple[str, list[str]]] = [
-    ("full fine-tuning: bf16-mixed, AdamW, no checkpointing", []),
+    ("full fine-tuning: bf16-mixed, AdamW, no checkpointing", START),
     ("+ chunked loss", ["--loss", "chunked"]),
     ("+ selective checkpointing (every layer)", ["--ac", "selective"]),
     ("+ full checkpointing (instead of selective)", ["--ac", "full"]),
     ("+ torch.compile", ["--compile"]),
     ("+ 8-bit AdamW", ["--optimizer", "adamw8bit"]),
-    ("LoRA r=8 on q,v (bf16 frozen base) instead of full fine-tuning", ["--task", "lora"]),
+    ("LoRA r=8 on q,v (bf16 frozen base) instead of full fine-tuning", ["--task", "lora", "--precision", "bf16"]),
     ("QLoRA (NF4 base)", ["--task", "qlora"]),
 ]
 

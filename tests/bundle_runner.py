@@ -1,5 +1,5 @@
-"""Emit a tiny Llama's 2-GPU bundle and run it on CPU (gloo): shared by the tensor- and pipeline-parallel
-bundle tests (test_bundle_parallel.py, test_bundle_pipeline.py)."""
+"""Emit a tiny Llama's 2-GPU bundle and run it on CPU (gloo): shared by the bundle tests that launch one
+(test_bundle_runs.py, test_bundle_parallel.py, test_bundle_pipeline.py, test_bundle_generate.py)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def config_path(tmp_path_factory):
     return path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("localhost", 0))
         return sock.getsockname()[1]
@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 def _plan(config_path, *, tp: int = 1, pp: int = 1, grad_accum: int = 1):
     spec = load_model(None, config_path=str(config_path))
-    w = build_workload("train", batch=2, seq=16, grad_accum=grad_accum)
+    w = build_workload("train", batch=2, seq=16, grad_accum=grad_accum, precision="bf16-mixed", optimizer="adamw")
     layout = make_layout(spec, w, gpus=2, tp=tp, pp=pp)
     return layout_plan(spec, w, layout, get_gpu("h100"), model_args=("--config", str(config_path)))
 
@@ -73,11 +73,11 @@ def _layer_shapes() -> list[tuple[int, int]]:
     return [(H, H), (KV * HEAD_DIM, H), (KV * HEAD_DIM, H), (H, H), (INTER, H), (INTER, H), (H, INTER)]
 
 
-def launch(folder: Path, args: list[str]) -> str:
+def launch(folder: Path, args: list[str], timeout_s: int = 180) -> str:
     """Run a bundle's launch.sh with `args`; its stdout (the run must succeed)."""
-    env = {**os.environ, "MASTER_PORT": str(_free_port()), "TORCHRUN": str(Path(sys.executable).with_name("torchrun")),
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "TORCHRUN": str(Path(sys.executable).with_name("torchrun")),
            "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(["bash", str(folder / "launch.sh"), *args], capture_output=True, text=True, timeout=180,
+    run = subprocess.run(["bash", str(folder / "launch.sh"), *args], capture_output=True, text=True, timeout=timeout_s,
                          env=env, check=False)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return run.stdout

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from accuracy import MODELS, quick_matrix  # noqa: E402
+from accuracy import MODELS, quick_matrix, row_workload  # noqa: E402
 
 from llamem.analytic import estimate  # noqa: E402
 from llamem.cli import main  # noqa: E402
@@ -28,7 +28,7 @@ from llamem.workload import build_workload  # noqa: E402
 @pytest.mark.parametrize("model, options", quick_matrix(), ids=lambda x: x if isinstance(x, str) else
                          "-".join(f"{k}={v}" for k, v in x.items() if not isinstance(v, tuple)))
 def test_analytic_matches_trace(model, options):
-    result = compare(load_model(model, overrides=MODELS[model]), build_workload(**options))
+    result = compare(load_model(model, overrides=MODELS[model]), row_workload(options))
     category, error = result.worst_category
     assert abs(result.peak_error) <= 0.02, f"peak off by {100 * result.peak_error:+.2f}%"
     assert abs(error) <= 0.05, f"{category} off by {100 * error:+.2f}%"

@@ -88,7 +88,8 @@ def test_a_negative_count_is_refused():
 def saved_trace(tmp_path_factory):
     pytest.importorskip("torch")
     path = tmp_path_factory.mktemp("trace") / "debug-lora.json"
-    assert run(["trace", "debug", "--task", "lora", "--batch", "2", "--seq", "256", "--save-trace", str(path)]) == 0
+    assert run(["trace", "debug", "--task", "lora", "--optimizer", "adamw", "--batch", "2", "--seq", "256",
+                "--save-trace", str(path)]) == 0
     return path
 
 

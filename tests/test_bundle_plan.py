@@ -4,14 +4,12 @@ the engine's own code, sizes LoRA where it runs, and says which memory a shortfa
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
+from plan_cli import HOST_BYTES, run_cli
 
 from llamem.bundle.emit import bundle_runs, choose, emit_plan, layout_plan, unsupported_reason
-from llamem.cli import main
 from llamem.errors import LlamemError
 from llamem.gpus import budget_gpu, get_gpu
 from llamem.model import load_model
@@ -22,15 +20,7 @@ from llamem.snippet import plan_code
 from llamem.units import format_bytes, format_gib
 from llamem.workload import build_workload
 
-HOST_BYTES = 256 * 2**30
 GIB = 2**30
-
-
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,8 @@ def spec():
 def test_emit_keeps_only_configurations_the_bundle_runs(spec):
     """8 x 2048 tokens on 4 GPUs of 12 GiB: the plain search picks tensor parallelism (which no bundle
     runs yet); under --emit the search picks what the bundle runs, and it fits."""
-    w, gpu = build_workload(task="train", batch=8, seq=2048), budget_gpu(12 * GIB)
+    w = build_workload(task="train", batch=8, seq=2048, precision="bf16-mixed", optimizer="adamw")
+    gpu = budget_gpu(12 * GIB)
     free = make_plan(spec, w, gpu, num_gpus=4, host_budget_bytes=HOST_BYTES)
     runs = bundle_runs("any")
     emitted = make_plan(spec, w, gpu, num_gpus=4, host_budget_bytes=HOST_BYTES, runnable=runs)
@@ -55,7 +46,7 @@ def test_emit_keeps_only_configurations_the_bundle_runs(spec):
 def test_emit_of_a_configuration_the_bundle_refuses_is_an_error_before_writing(tmp_path):
     """A QLoRA base under ZeRO-3 has no bundle: `emit_plan` says why and writes nothing."""
     spec = load_model("llama-3.2-1b")
-    w = build_workload(task="qlora", batch=2, seq=512)
+    w = build_workload(task="qlora", batch=2, seq=512, precision="bf16", optimizer="adamw")
     plan = layout_plan(spec, w, make_layout(spec, w, gpus=2, sharding="zero3"), get_gpu("h100"))
     with pytest.raises(LlamemError, match=r"has no launch bundle: a nf4 base under zero3 is not emitted yet"):
         emit_plan(plan, tmp_path / "out")
@@ -72,7 +63,8 @@ def test_emit_with_megatron_is_a_usage_error_before_planning(tmp_path):
 # (b) the batch, not the engine, caps the GPUs ------------------------------------------------------
 def test_min_gpus_names_the_global_batch_as_the_cap():
     code, out, err = run_cli(["plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--batch", "1", "--seq", "4096",
-                              "--min-gpus", "--engine", "fsdp2", "--exact"])
+                              "--precision", "bf16-mixed", "--optimizer", "adamw", "--min-gpus", "--engine", "fsdp2",
+                              "--exact"])
     assert code == 3
     assert ("--min-gpus stopped at 1 GPU: no layout of more GPUs that --engine fsdp2 runs divides the global batch "
             "(1 per step, --batch x --grad-accum) among its data-parallel replicas: raise --batch or --grad-accum so "
@@ -83,7 +75,8 @@ def test_min_gpus_names_the_global_batch_as_the_cap():
 
 def test_gpus_that_the_batch_cannot_use_name_the_batch_and_the_engine():
     code, _out, err = run_cli(["plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--batch", "1", "--seq", "4096",
-                               "--gpus", "2", "--engine", "fsdp2", "--exact"])
+                               "--precision", "bf16-mixed", "--optimizer", "adamw", "--gpus", "2", "--engine", "fsdp2",
+                               "--exact"])
     assert code == 3
     assert ("the global batch (1 per step) does not split evenly over 2 data-parallel replicas, so those layouts were "
             "not considered: choose a batch divisible by the replicas to use them; --engine fsdp2 splits only the "
@@ -92,7 +85,7 @@ def test_gpus_that_the_batch_cannot_use_name_the_batch_and_the_engine():
 
 # (c) --code prints the layout's engine -------------------------------------------------------------
 def test_code_of_an_fsdp2_plan_configures_fsdp2_not_deepspeed(spec):
-    w = build_workload(task="train", batch=8, seq=2048)
+    w = build_workload(task="train", batch=8, seq=2048, precision="bf16-mixed", optimizer="adamw")
     plan = make_plan(spec, w, budget_gpu(12 * GIB), num_gpus=4, host_budget_bytes=HOST_BYTES, engine="fsdp2")
     assert plan.final.layout.engine == "fsdp2"
     code = plan_code(plan)
@@ -103,7 +96,7 @@ def test_code_of_an_fsdp2_plan_configures_fsdp2_not_deepspeed(spec):
 
 
 def test_code_of_a_deepspeed_plan_names_its_stage(spec):
-    w = build_workload(task="train", batch=8, seq=2048)
+    w = build_workload(task="train", batch=8, seq=2048, precision="bf16-mixed", optimizer="adamw")
     plan = make_plan(spec, w, budget_gpu(12 * GIB), num_gpus=4, host_budget_bytes=HOST_BYTES, engine="deepspeed")
     stage = plan.final.layout.sharding[-1]
     code = plan_code(plan)
@@ -113,7 +106,7 @@ def test_code_of_a_deepspeed_plan_names_its_stage(spec):
 
 # (d) LoRA under ZeRO-3 -----------------------------------------------------------------------------
 def test_lora_under_zero3_runs_with_deepspeed_whose_accounting_sizes_it(spec):
-    w = build_workload(task="lora", batch=2, seq=512)
+    w = build_workload(task="lora", batch=2, seq=512, precision="bf16", optimizer="adamw")
     layout = make_layout(spec, w, gpus=2, sharding="zero3")
     assert choose(layout, "any", adapters=True) == ("deepspeed", "deepspeed")
     assert bundle_runs("any")(spec, w, layout)
@@ -129,7 +122,7 @@ def test_lora_under_zero3_runs_with_deepspeed_whose_accounting_sizes_it(spec):
 # (e) a host-memory shortfall says so ---------------------------------------------------------------
 def test_host_memory_shortfall_is_named_with_its_figure():
     spec = load_model("llama-3.1-8b")
-    w = build_workload(task="train", batch=1, seq=1024)
+    w = build_workload(task="train", batch=1, seq=1024, precision="bf16-mixed", optimizer="adamw")
     plan = make_plan(spec, w, get_gpu("a100-40gb"), host_budget_bytes=170 * GIB, exact=True, truncate=False,
                      engine="deepspeed")
     assert not plan.fits and plan.final.layout.offload == "optimizer"
@@ -149,7 +142,8 @@ def test_host_memory_shortfall_is_named_with_its_figure():
 def test_plan_emit_json_has_the_bundle(tmp_path):
     folder = tmp_path / "bundle"
     code, out, _err = run_cli(["plan", "llama-3.2-1b", "--budget", "12GiB", "--gpus", "4", "--batch", "8", "--seq",
-                               "2048", "--emit", str(folder), "--json"])
+                               "2048", "--precision", "bf16-mixed", "--optimizer", "adamw", "--emit", str(folder),
+                               "--json"])
     assert code == 0
     bundle = json.loads(out)["bundle"]
     assert bundle["directory"] == str(folder)
@@ -159,7 +153,7 @@ def test_plan_emit_json_has_the_bundle(tmp_path):
 
 
 def test_lora_under_an_fsdp2_engine_says_why_zero3_was_left_out(spec):
-    w = build_workload(task="lora", batch=4, seq=2048)
+    w = build_workload(task="lora", batch=4, seq=2048, precision="bf16", optimizer="adamw")
     plan = make_plan(spec, w, budget_gpu(12 * GIB), num_gpus=2, host_budget_bytes=HOST_BYTES, engine="fsdp2")
     assert plan.final.layout.sharding in ("none", "ddp")
     assert ("FSDP2 over a LoRA model is not sized by llamem, so --engine fsdp2 planned DDP only: --engine deepspeed "

@@ -18,15 +18,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
+
+from bundle_runner import config_path, launch  # noqa: E402
 
 from llamem.bundle import emit_bundle, layout_plan  # noqa: E402
 from llamem.cli import main  # noqa: E402
@@ -36,27 +35,14 @@ from llamem.parallel import make_layout  # noqa: E402
 from llamem.trace.tracer import rounded  # noqa: E402
 from llamem.workload import build_workload  # noqa: E402
 
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-WORKLOAD = ["--batch", "2", "--seq", "16"]
+__all__ = ["config_path"]  # the fixture
+
+WORKLOAD = ["--batch", "2", "--seq", "16", "--precision", "bf16-mixed", "--optimizer", "adamw"]
+FIELDS = {"batch": 2, "seq": 16, "precision": "bf16-mixed", "optimizer": "adamw"}
 LINE = re.compile(r"^rank (\d+) (wrapped|step \d+ loss=\S+) peak_bytes=(\d+) live_bytes=(\d+)$")
 SMALL_TENSOR_BYTES = 512
 """The tracker's smallest allocation, and what FSDP2's rank keeps besides its shards: RoPE's two
 inverse-frequency buffers (`inv_freq`, `original_inv_freq`) and the device mesh's rank list."""
-
-
-@pytest.fixture(scope="module")
-def config_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(TINY))
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
 
 
 def _estimate(config_path, sharding: str, capsys) -> int:
@@ -66,26 +52,23 @@ def _estimate(config_path, sharding: str, capsys) -> int:
     return json.loads(capsys.readouterr().out)["peak_allocated_bytes"]
 
 
-def _run_bundle(config_path, sharding: str, folder: Path, timeout_s: int = 120) -> tuple[dict, str]:
+def _run_bundle(config_path, sharding: str, folder: Path, timeout_s: int = 120,
+                extra: tuple[str, ...] = ()) -> tuple[dict, str]:
     """Emit the 2-GPU bundle, run it on CPU; per rank: (wrapped, step 1, step 2) as (peak, live), and the run peak."""
     spec = load_model(None, config_path=str(config_path))
-    w = build_workload("train", batch=2, seq=16)
+    w = build_workload("train", **FIELDS)
     plan = layout_plan(spec, w, make_layout(spec, w, gpus=2, sharding=sharding), get_gpu("h100"),
                        model_args=("--config", str(config_path)))
     emit_bundle(plan, folder)
-    env = {**os.environ, "MASTER_PORT": str(_free_port()), "TORCHRUN": str(Path(sys.executable).with_name("torchrun")),
-           "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(["bash", str(folder / "launch.sh"), "--cpu", "--random-init", "--max-steps", "2"],
-                         capture_output=True, text=True, timeout=timeout_s, env=env)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    stdout = launch(folder, ["--cpu", "--random-init", "--max-steps", "2", *extra], timeout_s=timeout_s)
     ranks: dict[int, dict] = {0: {"windows": []}, 1: {"windows": []}}
-    for line in run.stdout.splitlines():
+    for line in stdout.splitlines():
         if match := LINE.match(line):
             ranks[int(match[1])]["windows"].append((int(match[3]), int(match[4])))
         elif match := re.match(r"^rank (\d+) peak_bytes=(\d+)$", line):
             ranks[int(match[1])]["peak"] = int(match[2])
-    assert all(len(r["windows"]) == 3 and "peak" in r for r in ranks.values()), run.stdout
-    return ranks, run.stdout
+    assert all(len(r["windows"]) == 3 and "peak" in r for r in ranks.values()), stdout
+    return ranks, stdout
 
 
 def _fp32_shard_bytes(world: int) -> int:
@@ -123,14 +106,42 @@ def test_rank_tracker_follows_storage_resizes_and_keeps_its_high_water():
     assert tracker.live_bytes == 0
 
 
-def test_ddp_bundle_ranks_peak_at_the_estimate(config_path, tmp_path, capsys):
-    estimate = _estimate(config_path, "ddp", capsys)
-    ranks, stdout = _run_bundle(config_path, "ddp", tmp_path / "ddp")
+@pytest.fixture(scope="module")
+def ddp_run(config_path, tmp_path_factory) -> tuple[dict, Path]:
+    """The DDP bundle's 2-rank CPU run, each rank's allocations written with --memory-trace."""
+    folder = tmp_path_factory.mktemp("ddp")
+    ranks, stdout = _run_bundle(config_path, "ddp", folder / "bundle", extra=("--memory-trace", str(folder / "traces")))
     print(stdout)
+    return ranks, folder / "traces"
+
+
+def test_ddp_bundle_ranks_peak_at_the_estimate(config_path, ddp_run, capsys):
+    estimate = _estimate(config_path, "ddp", capsys)
+    ranks, _traces = ddp_run
     for rank in (0, 1):
         # Weights, DDP's buckets, AdamW's state and the step's activations, from the first step on.
         assert abs(ranks[rank]["peak"] - estimate) <= 0.02 * estimate  # measured: 3,368,448 against 3,369,472
         assert ranks[rank]["windows"][1][1] == ranks[rank]["windows"][2][1]  # nothing grows from step to step
+
+
+def test_each_ranks_trace_replays_within_the_estimates_reserved_memory(config_path, ddp_run):
+    """`train.py --memory-trace DIR` writes what the rank's tracker saw; the allocator simulator replays it into
+    that rank's own reserved memory. The estimate's device figure comes from one GPU's synthetic schedule
+    (llamem.device), not from each rank's: here it covers both ranks, with room to spare."""
+    from llamem.allocator.replay import load_events, runs_on_card, smallest_card
+    from llamem.sizing import estimate_report
+
+    ranks, traces = ddp_run
+    spec = load_model(None, config_path=str(config_path))
+    w = build_workload("train", **FIELDS)
+    device = estimate_report(spec, w, make_layout(spec, w, gpus=2, sharding="ddp"), details=False).device
+    for rank in (0, 1):
+        events = load_events(traces / f"rank{rank}.json")
+        allocated, reserved = smallest_card(events)
+        assert allocated == ranks[rank]["peak"]  # the trace is the rank's own event stream
+        # Every tensor of this tiny model is under 1 MiB: the allocator serves them from 2 MiB segments.
+        assert reserved == runs_on_card(events, None) == 2 * 2**21  # measured: 4,194,304 on both ranks
+        assert reserved <= device.peak_reserved_bytes  # 4,909,568 from the single-GPU schedule's probes
 
 
 def test_fsdp2_bundle_ranks_hold_their_shards(config_path, tmp_path, capsys):

@@ -20,7 +20,8 @@ def test_core_is_torch_free():
 
 
 def test_adamw_state_of_a_7b_full_fine_tune():
-    report = estimate(load_model("llama-2-7b"), build_workload(task="train", seq=16))
+    report = estimate(load_model("llama-2-7b"), build_workload(task="train", precision="bf16-mixed", optimizer="adamw",
+                                                                 seq=16))
     optimizer = report.phases["optimizer"]
     # fp32 master weights under bf16 autocast: both moments are 6,738,415,616 params x 4 bytes (every
     # tensor a multiple of 512 B); one 1-element fp32 `step` per tensor, each rounded to 512 B: the
@@ -118,7 +119,7 @@ def run_cli(capsys, *args):
 
 
 def test_cli_json_keys(capsys):
-    code, out, _ = run_cli(capsys, "estimate", "llama-2-7b", "--json")
+    code, out, _ = run_cli(capsys, "estimate", "llama-2-7b", "--precision", "bf16-mixed", "--json")
     assert code == 0
     data = json.loads(out)
     assert data["model"]["num_params"] == 6738415616

@@ -1,5 +1,5 @@
 """The LLaMA-family kin: Qwen2 / Qwen3 / Mistral in the analytic engine, exact against the trace;
-Mixtral, Qwen3-MoE and Llama 4 (mixtures of experts) traced, and refused by the analytic engine.
+Mixtral, Qwen3-MoE and Llama 4 (mixtures of experts) traced; Llama 4 refused by the analytic engine.
 
 Tiny configs of each model type, built with their transformers class on fake tensors."""
 
@@ -96,17 +96,18 @@ def test_mixtures_of_experts_are_traced(model_type):
     assert generate.phases["prefill"]["kv_cache"] > 0
 
 
-def test_the_analytic_engine_refuses_a_mixture_of_experts_and_names_trace():
+def test_the_analytic_engine_refuses_llama_4_and_names_trace():
+    # Mixtral and Qwen3-MoE are sized (tests/test_moe.py); Llama 4's attention is not modelled yet.
     with pytest.raises(InvalidWorkload) as err:
-        estimate(load_model("mixtral-8x7b"), build_workload(task="lora"))
+        estimate(load_model("llama-4-scout-17b-16e"), build_workload(task="lora", precision="bf16"))
     message = str(err.value)
-    assert "mixture of experts" in message and "`llamem trace mistralai/Mixtral-8x7B-v0.1 ...`" in message
+    assert "Llama 4" in message and "`llamem trace meta-llama/Llama-4-Scout-17B-16E ...`" in message
 
 
 def test_the_trace_refuses_what_transformers_cannot_run_for_experts():
     from llamem.trace.run import trace
 
     with pytest.raises(InvalidWorkload, match="grouped_mm, which takes bf16 only: use --precision bf16"):
-        trace(spec("mixtral"), build_workload(task="train"))
+        trace(spec("mixtral"), build_workload(task="train", precision="bf16-mixed", optimizer="adamw"))
     with pytest.raises(InvalidWorkload, match="quantized mixture-of-experts"):
         trace(spec("qwen3_moe"), build_workload(task="qlora"))

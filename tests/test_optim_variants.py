@@ -50,13 +50,13 @@ def test_each_adamw_step_matches_the_trace_at_the_step(spec, optimizer):
 
 
 def test_step_temporaries_fused_none_foreach_all_loop_one_tensor_at_a_time(spec):
-    w = build_workload("train", batch=1, seq=64, max_grad_norm=0.0)
+    # fp32 master weights (bf16-mixed), so each step temporary is 4 bytes per parameter
+    mixed = dict(batch=1, seq=64, max_grad_norm=0.0, precision="bf16-mixed")
+    w = build_workload("train", optimizer="adamw", **mixed)
     sizes = [r512(4 * n) for n in trainable_numels(spec, w)]
     foreach = _phase_temporaries(trace(spec, w))
-    fused = _phase_temporaries(trace(spec, build_workload("train", batch=1, seq=64, max_grad_norm=0.0,
-                                                          optimizer="adamw-fused")))
-    loop = _phase_temporaries(trace(spec, build_workload("train", batch=1, seq=64, max_grad_norm=0.0,
-                                                         optimizer="adamw-loop")))
+    fused = _phase_temporaries(trace(spec, build_workload("train", optimizer="adamw-fused", **mixed)))
+    loop = _phase_temporaries(trace(spec, build_workload("train", optimizer="adamw-loop", **mixed)))
     assert foreach == sum(sizes)
     assert fused == 0
     # sqrt and its division of one tensor beside the previous tensor's denom: here down_proj after up_proj
@@ -89,8 +89,8 @@ def test_optimizer_in_backward_matches_the_trace(spec, options):
 
 
 def test_optimizer_in_backward_never_holds_every_gradient(spec):
-    plain, stepped = (estimate(spec, build_workload("train", batch=1, seq=64, **extra)) for extra in
-                      ({}, {"optimizer_in_backward": True}))
+    plain, stepped = (estimate(spec, build_workload("train", precision="bf16-mixed", optimizer="adamw", batch=1,
+                                                    seq=64, **extra)) for extra in ({}, {"optimizer_in_backward": True}))
     all_gradients = plain.phases["optimizer"]["gradients"]
     assert stepped.phases["backward"]["gradients"] < all_gradients
     assert stepped.peak_allocated_bytes < plain.peak_allocated_bytes
@@ -109,11 +109,12 @@ def test_liger_matches_the_trace_and_says_it_is_emulated(spec, options):
     if options["task"] == "train":  # LoRA's forward peaks in the last layer, before the (small) loss
         assert analytic.phases["forward"]["logits"] == pytest.approx(traced.phases["forward"]["logits"], rel=0.05)
     assert any("emulated byte for byte" in note for note in traced.notes)
-    assert any("RMSNorm, SwiGLU and RoPE kernels are not sized" in note for note in analytic.notes)
+    assert any("RMSNorm, SwiGLU and RoPE sized from its source" in note for note in analytic.notes)
 
 
 def test_liger_never_makes_the_full_logits(spec):
-    full, liger = (trace(spec, build_workload("train", batch=1, seq=256, liger=flag)) for flag in (False, True))
+    full, liger = (trace(spec, build_workload("train", precision="bf16-mixed", optimizer="adamw", batch=1, seq=256,
+                                              liger=flag)) for flag in (False, True))
     logits_bytes = 2 * 256 * spec.vocab_size  # the bf16 logits alone
     assert full.phases["forward"]["logits"] > 4 * logits_bytes  # with their fp32 upcast and log-softmax
     assert liger.phases["forward"]["logits"] < 2 * logits_bytes  # grad_input (fp32) and two chunks

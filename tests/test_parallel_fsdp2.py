@@ -37,10 +37,11 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
         "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 """test_bundle_runs.py's tiny Llama: 139,584 parameters, 36,992 per decoder layer, 32,768 in the
 embedding and in lm_head, 64 in the final norm."""
-WORKLOAD = {"batch": 2, "seq": 16}
-CASES = {"bf16-mixed": {}, "grad-accum 2": {"batch": 1, "grad_accum": 2}, "pure bf16": {"precision": "bf16"}}
+WORKLOAD = {"batch": 2, "seq": 16, "precision": "bf16-mixed", "optimizer": "adamw"}
+CASES = {"bf16-mixed": {}, "grad-accum 2": {"batch": 1, "grad_accum": 2}, "pure bf16": {"precision": "bf16", "optimizer": "adamw-fused"}}
 """The bundle runs held to the estimate: the layouts of the measurement table in docs/memory-model.md."""
-FLAGS = {"batch": "--batch", "seq": "--seq", "grad_accum": "--grad-accum", "precision": "--precision"}
+FLAGS = {"batch": "--batch", "seq": "--seq", "grad_accum": "--grad-accum", "precision": "--precision",
+         "optimizer": "--optimizer"}
 
 # Hand-derived terms of TINY on 2 ranks, bf16-mixed (fp32 storage and reduce, bf16 parameters); every
 # tensor rounded up to 512 bytes. A layer: q, o 64 x 64; k, v 32 x 64; gate, up 128 x 64; down 64 x 128;
@@ -201,8 +202,8 @@ def test_fsdp2_refuses_what_it_does_not_size(spec):
         "--engine fsdp2 sizes data parallelism alone: drop --tp and --pp, or drop --engine fsdp2",
         "--engine fsdp2 sizes no offload: drop --offload, or drop --engine fsdp2 (DeepSpeed's ZeRO-Offload)",
         "--engine fsdp2 sizes full fine-tuning (--task train) for now: drop --engine fsdp2 for --task lora",
-        "--engine fsdp2 sizes AdamW and SGD on the shards: use --optimizer adamw or sgd, or drop --engine fsdp2 "
-        "for adafactor"]
+        "--engine fsdp2 sizes foreach and fused AdamW and SGD on the shards: use --optimizer adamw-fused, adamw or "
+        "sgd, or drop --engine fsdp2 for adafactor"]
     with pytest.raises(InvalidWorkload, match="--engine megatron: choose deepspeed or fsdp2"):
         make_layout(spec, build_workload("train"), gpus=2, sharding="zero3", engine="megatron")
 
@@ -215,7 +216,8 @@ def _cli(*argv: str) -> tuple[int, str]:
 
 
 def test_estimate_engine_option(config_path):
-    args = ["estimate", "--config", str(config_path), "--batch", "2", "--seq", "16", "--gpus", "2"]
+    args = ["estimate", "--config", str(config_path), "--batch", "2", "--seq", "16", "--precision", "bf16-mixed",
+            "--optimizer", "adamw", "--gpus", "2"]
     assert _cli(*args, "--sharding", "zero3", "--engine", "deepspeed") == _cli(*args, "--sharding", "zero3")
     code, out = _cli(*args, "--sharding", "zero3", "--engine", "fsdp2", "--json")
     report = json.loads(out)
@@ -279,7 +281,7 @@ def runs(spec, config_path, tmp_path_factory):
     gloo launches and the fake ranks run side by side."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from test_bundle_runs import _free_port
+    from bundle_runner import free_port
 
     root = tmp_path_factory.mktemp("fsdp2-runs")
     estimates = {case: _emit(spec, config_path, root / str(i), fields)
@@ -287,7 +289,7 @@ def runs(spec, config_path, tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHRUN": str(Path(sys.executable).with_name("torchrun"))}
     gloo = {case: subprocess.Popen(["bash", str(root / str(i) / "launch.sh"), "--cpu", "--random-init", "--max-steps",
                                     "2"], stdout=(root / f"{i}.out").open("w"), stderr=subprocess.STDOUT,
-                                   env={**env, "MASTER_PORT": str(_free_port())})
+                                   env={**env, "MASTER_PORT": str(free_port())})
             for i, case in enumerate(CASES)}
     scripts = [str(root / str(i) / "train.py") for i in range(len(CASES))]
     fake = subprocess.run([sys.executable, "-c", FAKE_RANK, *scripts], capture_output=True, text=True, cwd=root,
@@ -309,7 +311,7 @@ def runs(spec, config_path, tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_a_rank_peaks_at_the_fsdp2_estimate(runs, case):
     """Measured (fake process group) against estimated: bf16-mixed 1,419,776 / 1,439,232 (-1.4 %), 2
-    accumulation steps of batch 1 1,561,088 / 1,572,864 (-0.7 %), pure bf16 912,896 / 920,576 (-0.8 %)."""
+    accumulation steps of batch 1 1,561,088 / 1,572,864 (-0.7 %), pure bf16 with fused AdamW 912,896 / 920,576 (-0.8 %)."""
     result = runs[case]
     assert abs(result["fake"] - result["estimate"]) <= 0.02 * result["estimate"], result
 

@@ -43,7 +43,8 @@ def _user_step(model, optimizer, vocab_size: int, batch: int = BATCH, seq: int =
 
 def _traced_step_peak(spec) -> int:
     warnings.filterwarnings("ignore")
-    report = trace(spec, build_workload("train", batch=BATCH, seq=SEQ))
+    # What `_user_step` runs: fp32 weights under bf16 autocast, foreach AdamW, clipping.
+    report = trace(spec, build_workload("train", precision="bf16-mixed", optimizer="adamw", batch=BATCH, seq=SEQ))
     return max(report.phase_total_bytes(p) for p in ("forward", "backward", "optimizer"))
 
 
@@ -51,7 +52,7 @@ def test_training_step_peak_equals_the_trace(spec):
     torch.manual_seed(0)
     tracker = CpuMemoryTracker()
     with tracker:
-        model = transformers.LlamaForCausalLM(hf_config(spec, build_workload("train")))
+        model = transformers.LlamaForCausalLM(hf_config(spec, build_workload("train", precision="bf16-mixed")))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         _user_step(model, optimizer, spec.vocab_size)  # the first step creates the optimizer state
         tracker.reset_peak()

@@ -28,8 +28,10 @@ INFERENCE_EXACT = [
     ("mistral-7b", {"num_hidden_layers": 2, "sliding_window": 256}, dict(batch=1, seq=700, new_tokens=4)),
 ]
 BOUNDED = [
-    dict(task="train", precision="bf16", ac_every=0, loss="full", batch=4, seq=256),
-    dict(task="train", precision="bf16-mixed", ac_every=0, loss="full", batch=4, seq=256),
+    dict(task="train", precision="bf16", optimizer="adamw", ac_every=0, loss="full", batch=4, seq=256),
+    dict(task="train", precision="bf16-mixed", optimizer="adamw", ac_every=0, loss="full", batch=4, seq=256),
+    dict(task="train", precision="bf16", optimizer="adamw-fused", ac_every=0, loss="full", batch=4, seq=256),
+    dict(task="train", precision="bf16", optimizer="adamw-loop", ac_every=0, loss="full", batch=4, seq=256),
 ]
 
 

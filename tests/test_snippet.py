@@ -78,7 +78,7 @@ def test_every_k_checkpointing_is_a_trainer_option(tiny_model, tmp_path, monkeyp
 
 def test_full_training_code_keeps_mixed_precision(tiny_model, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    plan = _plan(dict(task="train", batch=2, seq=256), 4)
+    plan = _plan(dict(task="train", precision="bf16-mixed", optimizer="adamw", batch=2, seq=256), 4)
     assert plan.fits and plan.final.workload.precision == "bf16-mixed"
     done = _run(plan_code(plan, model_id=tiny_model), tiny_model)
     import torch

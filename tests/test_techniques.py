@@ -26,7 +26,7 @@ def test_the_ladder_names_techniques_in_the_documented_order():
 
 def test_reproduce_arguments_rebuild_the_workload():
     w = build_workload(task="qlora", batch=3, seq=700, lora_rank=16, lora_targets=("q_proj", "o_proj"), ac_every=2,
-                       loss="chunked", grad_accum=4, attn="eager")
+                       loss="chunked", grad_accum=4, attn="eager", optimizer="adamw")
     args = workload_args(w)
     assert args == ["--task", "qlora", "--batch", "3", "--seq", "700", "--precision", "bf16", "--optimizer", "adamw",
                     "--ac", "every-2", "--grad-accum", "4", "--loss", "chunked", "--quant", "nf4", "--lora-rank", "16",

@@ -98,7 +98,8 @@ def test_fits_on_one_card_is_the_estimates_device_figure():
     _status, fits, _code = route_answer("fits", {"model": "debug", "batch": "8"}, None)
     assert fits["counts"][0] == {"num_gpus": 1, "layout": "1 GPU", "device_bytes": estimate["device_bytes"]}
     assert all(row["num_gpus"] == 1 for row in fits["gpus"])
-    _status, fits, _code = route_answer("fits", {"model": "llama-3.1-70b", "task": "train", "ac": "full"}, None)
+    _status, fits, _code = route_answer("fits", {"model": "llama-3.1-70b", "task": "train", "ac": "full",
+                                                 "precision": "bf16-mixed", "optimizer": "adamw"}, None)
     by_name = {row["name"]: row for row in fits["gpus"]}
     assert by_name["h100-80gb"]["num_gpus"] > 1 and by_name["h100-80gb"]["layout"].startswith("zero3")
     sizes = [c["device_bytes"] for c in fits["counts"]]

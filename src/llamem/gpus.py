@@ -67,6 +67,10 @@ class GPU:
 
 
 PCIE3, PCIE4, PCIE5 = 16 * GB, 32 * GB, 64 * GB
+"""A x16 host link's bytes per second in each direction, rounded: 8, 16 and 32 GT/s per lane with 128b/130b
+encoding give 15.75, 31.5 and 63 GB/s (PCI-SIG's PCIe 3.0, 4.0 and 5.0 base specifications; NVIDIA's
+datasheets list 32 GB/s for the A100's PCIe 4.0 and 64 GB/s for the H100's PCIe 5.0). `pcie_bandwidth`
+is what offloading (`cost._offload`, `cost.activation_offload_seconds`) moves pinned host memory at."""
 
 _THAMADA = "https://github.com/thamada/nvidia-smi/blob/"  # deviceQuery / nvidia-smi captures from real machines
 

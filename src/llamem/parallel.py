@@ -30,6 +30,7 @@ the activations of p micro-batches in flight with 1F1B, of all M with GPipe.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -41,6 +42,7 @@ from llamem.analytic.logits import training_logits
 from llamem.analytic.weights import rope_buffer_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.errors import InvalidWorkload
+from llamem.expert_parallel import expert_parallel_phases, expert_parallel_problems
 from llamem.model import ModelSpec
 from llamem.workload import Workload, with_changes
 
@@ -67,6 +69,9 @@ class Layout:
     """Who runs ZeRO-3, which decides how it is sized: DeepSpeed's accounting here, torch FSDP2 in
     `Fsdp2Layout` (`with_engine`). A class attribute, so that layouts as dicts (plan JSON) keep
     their fields."""
+    ep: ClassVar[int] = 1
+    """Expert parallel degree: 1, except in `ExpertParallelLayout` (a class attribute here, so that dense
+    layouts as dicts keep their fields)."""
 
     @property
     def num_gpus(self) -> int:
@@ -84,6 +89,8 @@ class Layout:
         if self.pp > 1:
             parts.append(f"pp x{self.pp} ({self.pipeline_schedule}, {self.microbatches} micro-batch"
                          f"{'es' if self.microbatches > 1 else ''})")
+        if self.ep > 1:
+            parts.append(f"ep x{self.ep}")
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
         return ", ".join(parts) or "1 GPU"
@@ -96,8 +103,36 @@ class Fsdp2Layout(Layout):
     engine: ClassVar[Engine] = "fsdp2"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExpertParallelLayout(Layout):
+    """A layout whose data-parallel ranks also split every mixture-of-experts layer's experts
+    (`llamem.expert_parallel`)."""
+
+    ep: int = 1
+    """Expert parallel degree: each group of `ep` data-parallel ranks holds the experts once, E / ep per GPU."""
+
+
+def expert_parallel(layout: Layout, ep: int) -> Layout:
+    """The same layout with its data-parallel ranks in expert-parallel groups of `ep`."""
+    fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.name != "ep"}
+    return ExpertParallelLayout(**fields, ep=ep) if ep > 1 else Layout(**fields)
+
+
+def expert_parallel_variants(spec: ModelSpec, layout: Layout) -> list[Layout]:
+    """The planner's expert-parallel option for a layout of a mixture of experts: the largest degree that
+    divides both its data-parallel ranks and the experts (it saves the most memory; the all-to-all's share
+    (ep-1)/ep barely grows with it). None for a dense model or a layout it does not apply to."""
+    if not spec.is_moe or layout.dp == 1:
+        return []
+    ep = math.gcd(layout.dp, spec.num_experts)
+    variant = expert_parallel(layout, ep) if ep > 1 else None
+    return [variant] if variant is not None and not check_layout(spec, variant) else []
+
+
 def with_engine(layout: Layout, engine: str) -> Layout:
-    """The same layout run by `engine` ("deepspeed" or "fsdp2")."""
+    """The same layout run by `engine` ("deepspeed" or "fsdp2"). Expert parallelism is sized one way."""
+    if layout.ep > 1:
+        return layout
     cls = Fsdp2Layout if engine == "fsdp2" else Layout
     return cls(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)})
 
@@ -116,11 +151,15 @@ def shard_spec(spec: ModelSpec, layout: Layout) -> ModelSpec:
 
 
 def _shard_spec(spec: ModelSpec, layout: Layout) -> ModelSpec:
-    t = layout.tp
+    t, num_layers = layout.tp, -(-spec.num_layers // layout.pp)
+    # Experts split their width like the MLP (transformers' tp_plan: packed_colwise gate_up, rowwise down);
+    # the first stage holds the first layers, and of the mixture-of-experts layers those among them.
     return dataclasses.replace(
         spec, num_heads=spec.num_heads // t, num_kv_heads=max(spec.num_kv_heads // t, 1),
         intermediate_size=-(-spec.intermediate_size // t), vocab_size=-(-spec.vocab_size // t),
-        num_layers=-(-spec.num_layers // layout.pp), name=spec.name)
+        moe_intermediate_size=-(-spec.moe_intermediate_size // t),
+        shared_expert_intermediate_size=-(-spec.shared_expert_intermediate_size // t),
+        moe_layers=tuple(i for i in spec.moe_layers if i < num_layers), num_layers=num_layers, name=spec.name)
 
 
 def check_layout(spec: ModelSpec, layout: Layout) -> list[str]:
@@ -134,7 +173,7 @@ def check_layout(spec: ModelSpec, layout: Layout) -> list[str]:
         problems.append("parameter offload needs ZeRO-3 / FSDP: use --sharding zero3")
     if layout.offload != "none" and layout.sharding not in ("zero2", "zero3", "zero1"):
         problems.append("optimizer offload needs ZeRO (DeepSpeed ZeRO-Offload): add --sharding zero1, zero2 or zero3")
-    return problems
+    return problems + expert_parallel_problems(spec, layout)
 
 
 IN_BACKWARD_ONE_GPU = ("--optimizer-in-backward is sized on one GPU without sharding or offload (DDP and ZeRO "
@@ -143,12 +182,12 @@ IN_BACKWARD_ONE_GPU = ("--optimizer-in-backward is sized on one GPU without shar
 
 
 def make_layout(spec: ModelSpec, w: Workload, *, gpus: int = 1, tp: int = 1, pp: int = 1, sharding: str | None = None,
-                offload: str = "none", pp_schedule: str = "1f1b", engine: str = "deepspeed") -> Layout:
-    """The layout of `llamem estimate --gpus/--tp/--pp/--sharding/--offload/--engine`, checked; every
+                offload: str = "none", pp_schedule: str = "1f1b", engine: str = "deepspeed", ep: int = 1) -> Layout:
+    """The layout of `llamem estimate --gpus/--tp/--pp/--sharding/--offload/--engine/--ep`, checked; every
     problem is reported at once, each with the flag to change."""
     if min(gpus, tp, pp) < 1 or max(gpus, tp, pp) > MAX_GPUS:
         raise InvalidWorkload([f"--gpus, --tp and --pp must be from 1 to {MAX_GPUS:,}"])
-    problems = []
+    problems = [] if 1 <= ep <= MAX_GPUS else [f"--ep must be from 1 to {MAX_GPUS:,}"]
     if gpus % (tp * pp):
         problems.append(f"--gpus {gpus} is not a multiple of --tp {tp} x --pp {pp}")
     if pp_schedule != "1f1b" and pp == 1:
@@ -169,7 +208,11 @@ def make_layout(spec: ModelSpec, w: Workload, *, gpus: int = 1, tp: int = 1, pp:
     # Under pipeline parallelism the accumulation steps are the pipeline's micro-batches.
     layout = Layout(dp=dp, tp=tp, pp=pp, sharding=sharding, offload=offload, pipeline_schedule=pp_schedule,
                     microbatches=w.grad_accum if pp > 1 else 1)
-    problems = check_layout(spec, layout)
+    if ep != 1:
+        layout = expert_parallel(layout, ep)
+    problems = check_layout(spec, layout) + (["--ep with --engine fsdp2: expert parallelism is sized with "
+                                              "DeepSpeed's accounting; drop --engine fsdp2"]
+                                             if ep != 1 and engine == "fsdp2" else [])
     if problems:
         raise InvalidWorkload(problems)
     return with_engine(layout, engine) if engine != "deepspeed" else layout
@@ -189,9 +232,9 @@ def fsdp2_problems(w: Workload, *, tp: int, pp: int, sharding: str | None, offlo
     if w.task != "train":
         problems.append(f"--engine fsdp2 sizes full fine-tuning (--task train) for now: drop --engine fsdp2 for "
                         f"--task {w.task}")
-    if w.optimizer not in ("adamw", "sgd"):
-        problems.append(f"--engine fsdp2 sizes AdamW and SGD on the shards: use --optimizer adamw or sgd, or drop "
-                        f"--engine fsdp2 for {w.optimizer}")
+    if w.optimizer not in ("adamw", "adamw-fused", "sgd"):
+        problems.append(f"--engine fsdp2 sizes foreach and fused AdamW and SGD on the shards: use --optimizer "
+                        f"adamw-fused, adamw or sgd, or drop --engine fsdp2 for {w.optimizer}")
     return problems
 
 
@@ -249,7 +292,8 @@ def per_gpu_phases(spec: ModelSpec, w: Workload, layout: Layout,
         return fsdp2_phases(spec, w, layout)
     local = shard_spec(spec, layout)
     local_teacher = shard_spec(teacher, layout) if teacher is not None else None
-    return apply_data_parallel(local_phases(local, w, layout, local_teacher), local, w, layout, local_teacher)
+    phases = apply_data_parallel(local_phases(local, w, layout, local_teacher), local, w, layout, local_teacher)
+    return expert_parallel_phases(phases, local, w, layout)
 
 
 def check_teacher(spec: ModelSpec, teacher: ModelSpec | None) -> None:
@@ -425,7 +469,8 @@ def fsdp2_phases(spec: ModelSpec, w: Workload, layout: Layout) -> dict[str, dict
     moments = [loss_backward, *_fsdp2_unit_moments(units, root, base, accumulated, _model_level_bytes(spec, compute))]
     if root:
         moments += _fsdp2_root_moments(spec, w, root, base, moments[-1])
-    temporaries = shards if w.optimizer == "adamw" else 0  # foreach AdamW's sqrt, one per shard
+    # foreach AdamW's sqrt, one per shard; the fused step works in place
+    temporaries = shards if w.optimizer == "adamw" else 0
     return {"load": {"weights": state["weights"]}, "forward": forward,
             "backward": max(moments, key=lambda m: sum(m.values())),
             "optimizer": add_breakdowns(state, {"gradients": grads, "temporaries": temporaries})}

@@ -29,14 +29,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from llamem.analytic.offload import host_peak_bytes, largest_saving_bytes
+from llamem.analytic.moe import moe_allows
 from llamem.cost import step_seconds
 from llamem.device import device_memory
+from llamem.engine_precision import runs_as
 from llamem.errors import DoesNotFit, InvalidWorkload, UsageError
 from llamem.gpus import GPU
 from llamem.model import ModelSpec
 from llamem.overhead import non_torch_bytes
-from llamem.parallel import (Layout, check_layout, fsdp2_problems, host_bytes, per_gpu_phases, shard_spec,
-                             with_engine)
+from llamem.parallel import (Layout, check_layout, expert_parallel_variants, fsdp2_problems, host_bytes,
+                             per_gpu_phases, shard_spec, with_engine)
 from llamem.techniques import (BY_NAME, LADDER_ORDER, LAYOUT_REASON, LAYOUT_TITLE, PREFILL_CHUNKS,
                                TRUNCATION_TIER, SearchContext, ac_settings, technique_variants, time_factor,
                                workload_args)
@@ -193,23 +196,19 @@ def evaluate(space: Space, w: Workload, layout: Layout, tier: int = 0, numerics:
              margin: float = SEARCH_FRAGMENTATION) -> Candidate:
     allocated = _allocated_bytes(space.spec, w, layout, space.teacher)
     device = int(allocated * (1 + margin)) + non_torch_bytes(layout.num_gpus)
-    seconds = step_seconds(space.spec, w, layout, space.gpu) * time_factor(w) * stages_in_turn(w, layout)
-    local_params = shard_spec(space.spec, layout).num_params
-    host = host_bytes(layout, local_params, min(layout.num_gpus, space.gpu.gpus_per_node))
+    seconds = step_seconds(space.spec, w, layout, space.gpu) * time_factor(w)
+    local = shard_spec(space.spec, layout)
+    node_gpus = min(layout.num_gpus, space.gpu.gpus_per_node)
+    # ZeRO's offloaded state, and each GPU's offloaded activations (pinned blocks of its layers' inputs)
+    host = host_bytes(layout, local.num_params, node_gpus) + host_peak_bytes(local, w) * node_gpus
     return Candidate(workload=w, layout=layout, allocated_bytes=allocated, device_bytes=device, seconds=seconds,
                      tier=tier, numerics=numerics, host_bytes=host)
 
 
-def stages_in_turn(w: Workload, layout: Layout) -> int:
-    """Generation passes its one batch through pipeline stages (a device_map) one after another: the cost
-    model's split of the work over every GPU holds for tensor parallel and replicas, not for the stages,
-    of which one works at a time."""
-    return 1 if w.is_training else layout.pp
-
-
 @lru_cache(maxsize=65536)
 def _allocated_bytes(spec: ModelSpec, w: Workload, layout: Layout, teacher: ModelSpec | None) -> int:
-    return max(sum(b.values()) for b in per_gpu_phases(spec, w, layout, teacher).values())
+    # Sized in the precision the layout's engine runs (`llamem.engine_precision`), as `llamem estimate` does.
+    return max(sum(b.values()) for b in per_gpu_phases(spec, runs_as(w, layout), layout, teacher).values())
 
 
 def confirm(space: Space, c: Candidate) -> Candidate:
@@ -217,7 +216,8 @@ def confirm(space: Space, c: Candidate) -> Candidate:
     if c.confirmed:
         return c
     local = shard_spec(space.spec, c.layout)
-    device = device_memory(local, c.workload, c.allocated_bytes, num_gpus=c.layout.num_gpus).device_bytes
+    device = device_memory(local, runs_as(c.workload, c.layout), c.allocated_bytes,
+                           num_gpus=c.layout.num_gpus).device_bytes
     return dataclasses.replace(c, device_bytes=device, confirmed=True)
 
 
@@ -238,6 +238,7 @@ def layout_args(layout: Layout) -> list[str]:
     parts.append(f"--sharding {layout.sharding}")
     parts += [f"--offload {layout.offload}"] if layout.offload != "none" else []
     parts += ["--engine fsdp2"] if layout.engine == "fsdp2" else []
+    parts += [f"--ep {layout.ep}"] if layout.ep > 1 else []
     return parts
 
 
@@ -255,6 +256,8 @@ def layouts(space: Space, num_gpus: int, w: Workload) -> list[Layout]:
             layout = Layout(dp=dp, tp=tp, pp=pp, sharding=sharding, offload=offload)
             if runs_on(space.engine, layout) and not check_layout(space.spec, layout):
                 out.append(layout)
+                # A mixture of experts may also split its experts (no bundle engine runs it: "any" only).
+                out += expert_parallel_variants(space.spec, layout) if space.engine == "any" else []
     return out
 
 
@@ -342,8 +345,11 @@ def memory_knobs(space: Space, w: Workload, changes: dict | None = None) -> list
     full_only = space.engine == "megatron" or compiled
     settings = [a for a in ac_settings(space.spec.num_layers) if not full_only or a["ac_mode"] == "full"]
     losses = [loss for loss in loss_settings(w) if not (compiled and loss.get("liger"))]
-    return [({**loss, **ac}, loss != {"loss": "full"} or ac["ac_every"] > 0)
-            for loss, ac in itertools.product(losses, settings)]
+    knobs = [({**loss, **ac}, loss != {"loss": "full"} or ac["ac_every"] > 0)
+             for loss, ac in itertools.product(losses, settings)]
+    if space.spec.is_moe:  # what the analytic engine sizes for experts
+        knobs = [k for k in knobs if moe_allows(space.spec, w, {**(changes or {}), **k[0]})]
+    return knobs
 
 
 def loss_settings(w: Workload) -> list[dict]:
@@ -361,7 +367,9 @@ def candidates(space: Space, w: Workload, num_gpus: int, *, margin: float = SEAR
                fixed_micro_batch: bool = False, rejected: frozenset = frozenset()):
     """The fastest acceptable configuration per structural choice (checkpointing and chunked loss
     only as far as needed), and on the way everything tried, for the closest one."""
-    for variant, layout in itertools.product(technique_variants(w, space.context, space.max_tier),
+    variants = [v for v in technique_variants(w, space.context, space.max_tier)
+                if moe_allows(space.spec, w, v.changes)]  # what the analytic engine sizes for experts
+    for variant, layout in itertools.product(variants,
                                              layouts(space, num_gpus, w)):
         knobs = memory_knobs(space, w, variant.changes)
         for micro, accum in replica_shares(w, layout.dp, fixed_micro_batch):
@@ -381,9 +389,9 @@ def candidates(space: Space, w: Workload, num_gpus: int, *, margin: float = SEAR
 def _knob_candidates(space: Space, w: Workload, shape: dict, layout: Layout, knobs: list[tuple[dict, bool]],
                      variant, margin: float, rejected: frozenset):
     """One structural choice at one micro-batch under each memory knob, cheapest first, up to the
-    first that is acceptable; returns whether that one costs no time. When the cheapest does not fit,
-    the leanest go next (`leanest_knobs`): when none of them fits, none of the others can, and the
-    others are not built (most of a search's configurations do not fit: this saves most of its time)."""
+    first that is acceptable; returns whether that one costs no time. The leanest knobs go first
+    (`leanest_knobs`): when none of them fits, none of the others can, and the other knobs are not
+    built (most of a search's configurations do not fit: this gate saves most of its time)."""
     tried: dict[int, Candidate | None] = {}
 
     def at(i: int) -> Candidate | None:
@@ -391,13 +399,10 @@ def _knob_candidates(space: Space, w: Workload, shape: dict, layout: Layout, kno
             tried[i] = _knob_candidate(space, w, shape, layout, knobs[i][0], variant, margin)
         return tried[i]
 
-    first = at(0)
-    if first is not None and acceptable(space, first, rejected):
-        yield first
-        return not knobs[0][1]
     lean = [c for c in map(at, leanest_knobs(knobs)) if c is not None]
     if lean and not any(acceptable(space, c, rejected) for c in lean):
         yield from lean
+        yield from offloaded_candidates(space, w, shape, layout, lean, variant, margin, rejected)
         return False
     for i, (_options, costs_time) in enumerate(knobs):
         c = at(i)
@@ -407,6 +412,27 @@ def _knob_candidates(space: Space, w: Workload, shape: dict, layout: Layout, kno
         if acceptable(space, c, rejected):
             return not costs_time
     return False
+
+
+def offloaded_candidates(space: Space, w: Workload, shape: dict, layout: Layout, lean: list[Candidate], variant,
+                         margin: float, rejected: frozenset):
+    """Activation offloading on top of full checkpointing: tried only where no lean knob fits (it adds PCIe
+    time to every step), and only where its largest saving, every layer's input, could close the gap."""
+    for c in lean:
+        cw = c.workload
+        if cw.ac_every != 1 or cw.ac_mode != "full" or cw.offload_activations:
+            continue
+        saving = largest_saving_bytes(shard_spec(space.spec, c.layout), cw) * (1 + margin)
+        if c.device_bytes - saving > space.gpu.memory_bytes:
+            continue
+        options = {"loss": cw.loss, "liger": cw.liger, "ac_every": 1, "ac_mode": "full", "offload_activations": True}
+        if not moe_allows(space.spec, cw, options):
+            continue
+        found = _knob_candidate(space, w, shape, layout, options, variant, margin)
+        if found is not None:
+            yield found
+            if acceptable(space, found, rejected):
+                return
 
 
 @lru_cache(maxsize=65536)

@@ -12,6 +12,7 @@ import dataclasses
 
 from llamem.analytic import estimate
 from llamem.device import device_memory
+from llamem.engine_precision import precision_note, runs_as
 from llamem.model import ModelSpec
 from llamem.parallel import Layout, per_gpu_phases, shard_spec
 from llamem.report import MemoryReport
@@ -25,12 +26,15 @@ def estimate_report(spec: ModelSpec, w: Workload, layout: Layout | None = None, 
     layout = layout or Layout()
     report = estimate(spec, w, teacher)
     notes = list(report.notes)
+    sized = runs_as(w, layout)  # the engine's own precision (llamem.engine_precision)
     if layout.num_gpus > 1 or layout.sharding != "none":
-        report = dataclasses.replace(report, phases=per_gpu_phases(spec, w, layout, teacher))
+        report = dataclasses.replace(report, phases=per_gpu_phases(spec, sized, layout, teacher))
         notes.append(f"per GPU, the busiest GPU of {layout.describe()}")
+    if sized is not w:
+        notes.append(precision_note(w, layout))
     local = shard_spec(spec, layout)
     single = layout.num_gpus == 1 and layout.sharding == "none"
-    device = device_memory(local, w, report.peak_allocated_bytes, num_gpus=layout.num_gpus,
+    device = device_memory(local, sized, report.peak_allocated_bytes, num_gpus=layout.num_gpus,
                            exact_shape=details, unlimited=details and single)
     notes += device_notes(device, w, single)
     if details and single:

@@ -227,8 +227,10 @@ def _ac_code(w: Workload, code: Code) -> None:
     if w.ac_every:
         every = f', "every_n_layers": {w.ac_every}' if w.ac_every > 1 else ""
         selective = ', "early_stop": False, "context_fn": selective_ac_context' if w.selective_ac else ""
+        offload = ', "offload": True' if w.offload_activations else ""
         code.training_args += ["activation_checkpointing=True",
-                               'activation_checkpointing_kwargs={"use_reentrant": False' + selective + every + "}"]
+                               'activation_checkpointing_kwargs={"use_reentrant": False' + selective + every
+                               + offload + "}"]
     if w.selective_ac:
         code.after_load += SELECTIVE_AC_CODE
 
@@ -304,9 +306,7 @@ def _clipping_code(w: Workload, code: Code) -> None:
 def _liger_code(w: Workload, code: Code) -> None:
     if w.liger:
         code.packages.append("liger-kernel")
-        code.training_args += ["use_liger_kernel=True",
-                               'liger_kernel_config={"fused_linear_cross_entropy": True, "rms_norm": False, '
-                               '"swiglu": False, "rope": False, "cross_entropy": False}']
+        code.training_args.append("use_liger_kernel=True")  # Liger's defaults: RoPE, RMSNorm, SwiGLU, fused loss
 
 
 def _in_backward_code(w: Workload, code: Code) -> None:
@@ -348,6 +348,26 @@ def _prefill_code(w: Workload, code: Code) -> None:
         code.generate_options.append(f"prefill_chunk_size={w.prefill_chunk}")
 
 
+def _padding_args(w: Workload) -> list[str]:
+    return (_if(w.padding != "none", "--padding", w.padding) + _if(bool(w.pad_fraction), "--pad-fraction",
+                                                                   f"{w.pad_fraction:g}")
+            + _if(w.padding_free, "--padding-free"))
+
+
+def _padding_label(w: Workload) -> str | None:
+    if w.padding_free:
+        return "padding-free"
+    return f"padded ({w.pad_fraction:g} padding)" if w.padding != "none" else None
+
+
+def _padding_code(w: Workload, code: Code) -> None:
+    if w.padding_free:
+        code.comments.append("# data_collator=DataCollatorWithFlattening(): the batch packed into one row, "
+                             "position_ids restarting per sequence")
+    elif w.padding != "none":
+        code.comments.append('# data_collator=DataCollatorWithPadding(tokenizer, padding="longest"): an attention_mask')
+
+
 # The records, in the documented order a plan applies them ---------------------------------------
 RECORDS: tuple[Record, ...] = (
     Record(name="task", fields=("task",), args=lambda w: _flag("--task", w.task), label=lambda w: w.task,
@@ -367,7 +387,8 @@ RECORDS: tuple[Record, ...] = (
                     "copies"),
            options=(Option(flag="--precision", field="precision",
                            help="fp32 | bf16 | fp16 | bf16-mixed | fp16-mixed.  "
-                                "[default: bf16-mixed for train/distill, bf16 otherwise]"),),
+                                "[default: bf16, the dtype from_pretrained loads these checkpoints in; the Trainer "
+                                "adds no autocast]"),),
            variants=_precision_variants),
     Record(name="generation", fields=("new_tokens",), args=lambda w: _flag("--new-tokens", w.new_tokens),
            label=lambda w: f"{w.new_tokens} new tokens", code=_generation_code,
@@ -423,6 +444,19 @@ RECORDS: tuple[Record, ...] = (
                                 "outputs (torchtitan's per-op policy, every second matmul recomputed); "
                                 "selective-every-K: that policy on every K-th layer, the others not checkpointed.  "
                                 "[default: none]"),)),
+    # Offloading keeps the numerics (tier 0: the same tensors, copied to the host and back); its cost is the
+    # PCIe time `cost.activation_offload_seconds` adds. The planner tries it as a memory knob on top of full
+    # checkpointing, only where nothing without it fits (`plan.offloaded_candidates`).
+    Record(name="offload_activations", fields=("offload_activations",),
+           args=lambda w: _if(w.offload_activations, "--offload-activations"),
+           label=lambda w: "activations offloaded" if w.offload_activations else None,
+           title="activation offloading",
+           reason="each checkpointed layer's input waits in pinned host memory and is copied back in its backward",
+           change=lambda w: "offload the checkpointed layers' inputs to host memory",
+           options=(Option(flag="--offload-activations/--no-offload-activations", field="offload_activations",
+                           type=bool, help="Hold each checkpointed layer's input in pinned host memory "
+                                           "(activation_checkpointing_kwargs offload=True; needs --ac full).  "
+                                           "[default: off]"),)),
     Record(name="loss", fields=("loss",), args=lambda w: _if(w.loss != "full", "--loss", w.loss),
            label=lambda w: f"{w.loss} loss" if w.loss != "full" else None, code=_loss_code, title="chunked loss",
            reason="the head and its fp32 loss buffers run one chunk of the sequence at a time",
@@ -436,8 +470,8 @@ RECORDS: tuple[Record, ...] = (
            change=lambda w: "Liger's fused linear cross-entropy",
            time_factor=lambda w: 1 + LIGER_LOSS_COST * w.liger,
            options=(Option(flag="--liger/--no-liger", field="liger", type=bool,
-                           help="Liger-Kernel's fused linear cross-entropy (the Trainer's use_liger_kernel; its "
-                                "RMSNorm, SwiGLU and RoPE kernels are not sized).  [default: off]"),)),
+                           help="Liger-Kernel (the Trainer's use_liger_kernel): fused linear cross-entropy, RMSNorm, "
+                                "SwiGLU and RoPE.  [default: off]"),)),
     Record(name="compile", fields=("compile",), args=lambda w: _if(w.compile, "--compile"),
            label=lambda w: "compiled" if w.compile else None, code=_compile_code, title="torch.compile",
            reason="the compiled graph saves matmul and attention outputs and recomputes cheap pointwise chains; "
@@ -454,7 +488,8 @@ RECORDS: tuple[Record, ...] = (
            options=(Option(flag="--optimizer", field="optimizer",
                            help="adamw (= adamw-foreach) | adamw-fused | adamw-foreach | adamw-loop | adamw8bit | sgd "
                                 "| adafactor: torch AdamW's step fused (no temporaries), foreach (one per tensor, all "
-                                "at once) or for-loop (one tensor at a time).  [default: adamw]"),),
+                                "at once) or for-loop (one tensor at a time).  [default: adamw-fused, the "
+                                "Trainer's adamw_torch_fused]"),),
            variants=_optimizer_variants),
     # Clipping and the step in backward are one record: stepping in backward cannot clip, so a plan
     # that turns it on turns clipping off in the same step of its ladder.
@@ -494,7 +529,20 @@ RECORDS: tuple[Record, ...] = (
                            help="none | int8 | nf4 | int4: the frozen teacher's weights (distill).  [default: none]"),)),
     Record(name="attn", fields=("attn",), args=lambda w: _if(w.attn != "sdpa", "--attn", w.attn),
            label=lambda w: w.attn, code=lambda w, code: code.load_options.append(f'attn_implementation="{w.attn}"'),
-           options=(Option(flag="--attn", field="attn", help="sdpa | eager.  [default: sdpa]"),)),
+           options=(Option(flag="--attn", field="attn", help="sdpa | eager | flash_attention_2 (flash-attn's "
+                                                              "kernels, emulated in trace; bf16/fp16 training).  "
+                                                              "[default: sdpa]"),)),
+    Record(name="padding", fields=("padding", "pad_fraction", "padding_free"), args=_padding_args,
+           label=_padding_label, code=_padding_code,
+           options=(Option(flag="--padding", field="padding",
+                           help="none | longest: each batch padded to its longest row with an attention_mask (the "
+                                "masks transformers builds from it).  [default: none]"),
+                    Option(flag="--pad-fraction", field="pad_fraction", type=float,
+                           help="With --padding longest: the share of positions that are padding (what "
+                                "flash_attention_2 unpads).  [default: 0]"),
+                    Option(flag="--padding-free/--no-padding-free", field="padding_free", type=bool,
+                           help="DataCollatorWithFlattening: the batch's sequences packed into one row, position "
+                                "ids restarting, no mask.  [default: off]"))),
     Record(name="seq", fields=("seq",), title="sequence length",
            reason="nothing else fits: shorter sequences (the model sees less context)"),
 )
@@ -505,7 +553,7 @@ BY_NAME = {r.name: r for r in RECORDS}
 _TIME_FACTORS = tuple((record.tasks, record.time_factor) for record in RECORDS
                       if record.time_factor is not Record.time_factor)
 """(tasks, factor) of the records that change the step time: the planner asks for every candidate."""
-LADDER_ORDER = ("precision", "quant", "qlora", "kv_dtype", "prefill_chunk", "ac_every", "loss", "liger", "compile",
+LADDER_ORDER = ("precision", "quant", "qlora", "kv_dtype", "prefill_chunk", "ac_every", "offload_activations", "loss", "liger", "compile",
                 "optimizer", "optimizer_in_backward", "batch", "layout", "seq")
 """The order a plan's ladder applies the techniques in (`layout` is `llamem.parallel.Layout`)."""
 LAYOUT_TITLE = "parallelism / sharding / offload"
@@ -515,7 +563,7 @@ TRUNCATION_TIER = 2
 
 
 RENDER_ORDER = ("task", "shape", "precision", "generation", "kv_dtype", "prefill_chunk", "optimizer",
-                "optimizer_in_backward", "ac_every", "batch", "loss", "liger", "compile", "quant", "lora", "teacher", "teacher_quant", "attn")
+                "optimizer_in_backward", "ac_every", "offload_activations", "batch", "loss", "liger", "compile", "quant", "lora", "teacher", "teacher_quant", "attn", "padding")
 """The order settings appear in a reproduce command and in a report's header."""
 
 
@@ -539,7 +587,7 @@ def workload_labels(w: Workload) -> list[str]:
 def workload_code(w: Workload) -> Code:
     code = Code()
     for name in ("task", "precision", "generation", "quant", "qlora", "kv_dtype", "prefill_chunk", "ac_every", "loss",
-                 "compile", "optimizer", "optimizer_in_backward", "liger", "batch", "attn"):
+                 "compile", "optimizer", "optimizer_in_backward", "liger", "batch", "attn", "padding"):
         if w.task in BY_NAME[name].tasks:
             BY_NAME[name].code(w, code)
     code.packages = list(dict.fromkeys(p for p in code.packages if p))

@@ -1,11 +1,11 @@
 """Workload: what is run on the model. Frozen, validated before any work, errors name the fix.
 
-Defaults are what a typical transformers + peft user gets:
+Defaults are what a typical transformers + peft user gets (`task_defaults`, read off transformers 5.24):
 
-- `train`, `distill`: fp32 weights with bf16 autocast (`bf16-mixed`, the Trainer's `bf16=True`
-  on a model loaded in fp32), torch AdamW.
+- `train`, `distill`: `AutoModelForCausalLM.from_pretrained(name)` + `Trainer(TrainingArguments())`:
+  bf16 weights with no autocast (`bf16`), torch's fused AdamW (`adamw-fused`), clipping at 1.0.
 - `lora`: base weights in bf16, peft defaults r=8 on q_proj and v_proj, adapters kept in fp32
-  (peft's `autocast_adapter_dtype=True`).
+  (peft's `autocast_adapter_dtype=True`); the Trainer's fused AdamW and clipping.
 - `qlora`: like lora, base weights NF4 (bitsandbytes, blocksize 64, double quantization off).
 - `infer`: bf16 weights, SDPA, a bf16 KV cache, 256 new tokens.
 """
@@ -21,7 +21,8 @@ Task = Literal["infer", "train", "lora", "qlora", "distill"]
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed"]
 Quant = Literal["none", "int8", "nf4", "int4"]
 Optimizer = Literal["adamw", "adamw-fused", "adamw-foreach", "adamw-loop", "adamw8bit", "sgd", "adafactor"]
-Attention = Literal["sdpa", "eager"]
+Attention = Literal["sdpa", "eager", "flash_attention_2"]
+Padding = Literal["none", "longest"]
 KVDType = Literal["bf16", "fp16", "fp32", "fp8", "int8", "int4"]
 Loss = Literal["full", "chunked"]
 ACMode = Literal["full", "selective"]
@@ -76,6 +77,10 @@ class Workload:
     liger: bool = False
     """Liger-Kernel's fused linear cross-entropy: the head and the loss run in chunks of tokens and make
     the input's and the head's gradients in forward; the full logits never exist."""
+    offload_activations: bool = False
+    """transformers' `activation_checkpointing_enable(offload=True)`: each checkpointed layer's input, the
+    one tensor a checkpoint saves, is held in pinned host memory (`torch.autograd.graph.save_on_cpu`) and
+    copied back in the layer's backward (`llamem.analytic.offload`); needs `--ac full`."""
     ac_every: int = 0
     """Activation checkpointing: 0 none, 1 every layer (full), K every K-th layer."""
     ac_mode: ACMode = "full"
@@ -83,6 +88,20 @@ class Workload:
     selective, also the outputs of torchtitan's per-op save list (matmuls, attention), every
     second matmul recomputed (`llamem.analytic.selective`)."""
     attn: Attention = "sdpa"
+    """transformers' attention: sdpa, eager, or flash_attention_2 (the flash-attn package's kernels: dense
+    without padding, varlen after unpadding q, k and v with a padding mask or packed sequences)."""
+    padding: Padding = "none"
+    """How a batch's rows of unequal length are made one tensor: none (every row `seq` tokens, no mask) or
+    longest (padded to the longest row, `seq`, with an `attention_mask`: the masks transformers builds
+    from it, `llamem.trace.padding`, `llamem.analytic.attention_paths`). Sized as a batch that holds
+    padding, even at batch 1 (where transformers skips the mask when no position is padding)."""
+    pad_fraction: float = 0.0
+    """With --padding longest: the share of the padded batch's `batch x seq` positions that are padding
+    (0: every row as long as the longest, the largest unpadded tensors). Only flash_attention_2's
+    unpadded tensors depend on it; the masks and every other tensor have the padded shape."""
+    padding_free: bool = False
+    """transformers' DataCollatorWithFlattening: the `batch` sequences of `seq` tokens packed into one row
+    of `batch x seq` tokens, `position_ids` restarting at each sequence, no attention mask."""
     lora_rank: int = 8
     lora_targets: tuple[str, ...] = LORA_TARGETS_DEFAULT
     kv_dtype: KVDType = "bf16"
@@ -179,6 +198,7 @@ def _value_problems(w: Workload) -> list[str]:
     _check_choice(problems, "--teacher-quant", w.teacher_quant, Quant)
     _check_choice(problems, "--optimizer", w.optimizer, Optimizer)
     _check_choice(problems, "--attn", w.attn, Attention)
+    _check_choice(problems, "--padding", w.padding, Padding)
     _check_choice(problems, "--kv-dtype", w.kv_dtype, KVDType)
     _check_choice(problems, "--loss", w.loss, Loss)
     _check_choice(problems, "--ac mode", w.ac_mode, ACMode)
@@ -219,6 +239,9 @@ def _value_problems(w: Workload) -> list[str]:
                         f"{MAX_PREFILL_CHUNKS}: use --prefill-chunk {smallest} or more (512 to 8192 is usual)")
     problems += _optimizer_and_loss_problems(w)
     problems += _compile_problems(w)
+    if w.padding != "none" or w.padding_free or w.pad_fraction or w.attn == "flash_attention_2":
+        problems += _attention_problems(w)
+    problems += _offload_problems(w)
     if w.task == "infer" and w.precision.endswith("-mixed"):
         problems.append(f"inference has no master weights: use --precision {w.precision.removesuffix('-mixed')}")
     if w.task == "qlora" and w.precision.endswith("-mixed"):
@@ -251,6 +274,33 @@ def _optimizer_and_loss_problems(w: Workload) -> list[str]:
     return problems
 
 
+def _attention_problems(w: Workload) -> list[str]:
+    """Padded and packed batches and flash_attention_2: what they are sized with (training only)."""
+    problems = []
+    fraction = w.pad_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
+        problems.append(f"--pad-fraction must be a number from 0 to below 1, got {fraction!r}")
+    elif fraction and w.padding != "longest":
+        problems.append("--pad-fraction only applies to --padding longest")
+    if w.padding == "longest" and w.padding_free:
+        problems.append("--padding-free packs the sequences into one row without padding: drop --padding longest")
+    if w.padding_free and isinstance(w.batch, int) and isinstance(w.seq, int) and w.batch * w.seq > MAX_TOKENS:
+        problems.append(f"--padding-free packs --batch x --seq = {w.batch * w.seq:,} tokens into one row; llamem sizes "
+                        f"rows up to {MAX_TOKENS:,}: lower --batch or --seq")
+    if w.attn == "flash_attention_2" and w.precision.removesuffix("-mixed") == "fp32":
+        problems.append("flash_attention_2 runs in bf16 or fp16 only: use --precision bf16-mixed, bf16 or fp16, "
+                        "or --attn sdpa")
+    for flag, on in (("--padding longest", w.padding == "longest"), ("--padding-free", w.padding_free),
+                     ("--attn flash_attention_2", w.attn == "flash_attention_2")):
+        if on and w.task == "infer":
+            problems.append(f"{flag} is sized for training only: drop it for --task infer")
+        if on and w.task == "distill":
+            problems.append(f"{flag} is not sized for distillation yet: drop it for --task distill")
+        if on and w.compile and flag != "--attn flash_attention_2":  # named by _compile_problems
+            problems.append(f"--compile with {flag} is not sized yet: drop one of the two")
+    return problems
+
+
 def _compile_problems(w: Workload) -> list[str]:
     """`--compile` is sized for training only, and not yet with the combinations it was not traced with."""
     if not w.compile:
@@ -271,6 +321,23 @@ def _compile_problems(w: Workload) -> list[str]:
     if w.attn != "sdpa":
         problems.append(f"--compile is sized with SDPA attention: drop --attn {w.attn}")
     return problems
+
+
+def _offload_problems(w: Workload) -> list[str]:
+    """Offloading moves what the checkpoints save: transformers offloads only inside checkpointed layers
+    (torchtune refuses offloading without checkpointing), and llamem sizes it with every layer checkpointed."""
+    if not w.offload_activations:
+        return []
+    if not isinstance(w.offload_activations, bool):
+        return [f"--offload-activations is on or off, got {w.offload_activations!r}"]
+    if w.ac_every == 0:
+        return ["--offload-activations moves the checkpointed layers' inputs to host memory: add --ac full"]
+    if w.ac_every != 1 or w.ac_mode != "full":
+        return [f"--offload-activations is sized with every layer checkpointed: use --ac full instead of "
+                f"--ac {w.ac_label}, or drop --offload-activations"]
+    if w.compile:
+        return ["--compile with --offload-activations is not sized yet: drop one of the two"]
+    return []
 
 
 def parse_ac(text: str) -> int:
@@ -309,7 +376,8 @@ FIELD_TASKS: dict[str, tuple[str, ...]] = {
     "new_tokens": ("infer",), "kv_dtype": ("infer",), "prefill_chunk": ("infer",),
     "optimizer": TRAINING_TASKS, "ac_every": TRAINING_TASKS, "ac_mode": TRAINING_TASKS, "grad_accum": TRAINING_TASKS,
     "loss": TRAINING_TASKS, "max_grad_norm": TRAINING_TASKS, "optimizer_in_backward": TRAINING_TASKS,
-    "liger": TRAINING_TASKS, "compile": TRAINING_TASKS,
+    "liger": TRAINING_TASKS, "compile": TRAINING_TASKS, "offload_activations": TRAINING_TASKS,
+    "padding": TRAINING_TASKS, "pad_fraction": TRAINING_TASKS, "padding_free": TRAINING_TASKS,
     "lora_rank": ADAPTER_TASKS, "lora_targets": ADAPTER_TASKS,
     "teacher": ("distill",), "teacher_quant": ("distill",),
 }
@@ -317,18 +385,30 @@ FIELD_TASKS: dict[str, tuple[str, ...]] = {
 _FLAGS = {"ac_every": "--ac", "ac_mode": "--ac"}
 
 
-FLAG_FIELDS = ("optimizer_in_backward", "liger", "compile")
+FLAG_FIELDS = ("optimizer_in_backward", "liger", "compile", "offload_activations", "padding_free")
 """Workload fields set by an on/off flag."""
+
+
+TRAINER_DEFAULTS = dict(precision="bf16", optimizer="adamw-fused", max_grad_norm=1.0)
+"""What `AutoModelForCausalLM.from_pretrained(name)` + `Trainer(model, TrainingArguments())` train with in
+transformers 5.24 (checked in its source):
+- `from_pretrained`'s `dtype` defaults to "auto" (`modeling_utils.py`: `if dtype is None: dtype = "auto"`),
+  which takes the checkpoint's `config.json` dtype: bfloat16 for the Llama, Mistral and Qwen checkpoints
+  (e.g. meta-llama/Llama-3.1-8B's `"torch_dtype": "bfloat16"`), so the weights, and torch AdamW's
+  moments with them, are bf16, with no fp32 master copy;
+- `TrainingArguments.bf16` and `fp16` default to False: no autocast (pure bf16, not `bf16-mixed`);
+- `TrainingArguments.optim` defaults to "adamw_torch_fused" on torch >= 2.8 (`training_args.py`:
+  `default_optim`), torch's fused AdamW step (`adamw-fused`, no step temporaries);
+- `TrainingArguments.max_grad_norm` defaults to 1.0: `clip_grad_norm_` before every step.
+The same for LoRA and QLoRA (peft keeps its adapters in fp32 under a bf16 base)."""
 
 
 def task_defaults(task: str) -> dict:
     if task == "infer":
         return dict(precision="bf16", new_tokens=256)
-    if task == "lora":
-        return dict(precision="bf16")
     if task == "qlora":
-        return dict(precision="bf16", quant="nf4")
-    return dict(precision="bf16-mixed")
+        return dict(TRAINER_DEFAULTS, quant="nf4")
+    return dict(TRAINER_DEFAULTS)  # train, distill, lora
 
 
 def build_workload(task: str = "train", **given) -> Workload:

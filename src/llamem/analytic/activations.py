@@ -25,7 +25,9 @@ width, e the compute dtype's bytes:
 - Model-level tensors alive through the step: RoPE's cos and sin, the final norm's saved
   tensors and its output, with checkpointing the materialised causal mask.
 
-Not included: torch.compile fusions, fused kernels (Liger, flash-attn package), dropout.
+Liger's kernels (`--liger`: RMSNorm keeps X and rstd, SwiGLU gate and up, RoPE in place) and
+flash_attention_2 (`attention_paths.py`) are sized where they change a part. Not included:
+torch.compile fusions (`compiled.py`), dropout.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from llamem.analytic.attention_paths import flash_saved_bytes, masked_cache_bytes, sdpa_masked
 from llamem.analytic.common import r512, trains_base_weights
 from llamem.analytic.kv_cache import training_cache_bytes
+from llamem.analytic.moe import moe_input_readers, moe_saved_bytes
 from llamem.analytic.selective import selective_kept_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -82,6 +86,11 @@ def norm_saved_bytes(T: int, h: int, e: int, mixed: bool, input_rg: bool, weight
     return saved
 
 
+def liger_norm_saved_bytes(T: int, h: int, e: int, mixed: bool, input_rg: bool, weight_trains: bool) -> int:
+    """Liger's RMSNorm keeps its input X (the residual stream, counted with it) and the fp32 rstd (4T)."""
+    return r512(4 * T) if (input_rg or weight_trains) else 0
+
+
 def _consumer_saved(T: int, fan_in: int, e: int, mixed: bool, flags: LayerFlags, names: tuple[str, ...],
                     rank: int) -> int:
     """What the linears reading one tensor keep of it: full fine-tuning one input (autocast one
@@ -103,22 +112,27 @@ def _attention_needs_grad(flags: LayerFlags) -> bool:
     return flags.input_requires_grad or bool(flags.targets & {"q_proj", "k_proj", "v_proj"})
 
 
-def layer_saved_bytes(spec: ModelSpec, workload: Workload, layer_index: int) -> dict[str, int]:
-    """Saved tensors of one (not checkpointed) layer, by part."""
+def layer_saved_bytes(spec: ModelSpec, workload: Workload, layer_index: int,
+                      moe: bool | None = None) -> dict[str, int]:
+    """Saved tensors of one (not checkpointed) layer, by part; `moe` (default: whether layer
+    `layer_index` is one) sizes its MLP as a mixture of experts (`moe.py`)."""
     T = workload.batch * workload.seq
     h, e, mixed = spec.hidden_size, compute_bytes(workload), workload.mixed
     flags = layer_flags(workload, layer_index)
     attn_rg = _attention_needs_grad(flags)
     h1_rg = attn_rg or "o_proj" in flags.targets  # the residual mid-point needs a gradient
-    return {"norm": (norm_saved_bytes(T, h, e, mixed, flags.input_requires_grad, flags.train_all)
-                     + norm_saved_bytes(T, h, e, mixed, h1_rg, flags.train_all)),
-            "lora": _linear_inputs_saved(spec, workload, flags),
+    moe = layer_index in spec.moe_layers if moe is None else moe
+    norm = liger_norm_saved_bytes if workload.liger else norm_saved_bytes
+    return {"norm": (norm(T, h, e, mixed, flags.input_requires_grad, flags.train_all)
+                     + norm(T, h, e, mixed, h1_rg, flags.train_all)),
+            "lora": _linear_inputs_saved(spec, workload, flags, moe),
             "attention": (_attention_saved(spec, workload) if attn_rg else 0) + qk_norm_saved(spec, workload, flags),
-            "mlp": _mlp_saved(spec, workload, flags, h1_rg),
+            "mlp": (moe_saved_bytes(spec, workload, flags.train_all, h1_rg) if moe
+                    else _mlp_saved(spec, workload, flags, h1_rg)),
             "residual": _residual_saved(spec, workload, h1_rg)}
 
 
-def _linear_inputs_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags) -> int:
+def _linear_inputs_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags, moe: bool = False) -> int:
     """The inputs the attention and MLP linears keep (the norms' outputs), and an adapted
     o_proj's fp32 cast of the attention output and its lora_A output (the output itself is
     SDPA's, already counted)."""
@@ -127,13 +141,16 @@ def _linear_inputs_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags)
     saved = _consumer_saved(T, h, e, mixed, flags, ("q_proj", "k_proj", "v_proj"), rank)
     if "o_proj" in flags.targets and not flags.train_all:
         saved += (r512(4 * T * spec.q_dim) if e < 4 else 0) + r512(4 * T * rank)
-    return saved + _consumer_saved(T, h, e, mixed, flags, ("gate_proj", "up_proj"), rank)
+    readers = moe_input_readers(spec) if moe else ("gate_proj", "up_proj")
+    return saved + _consumer_saved(T, h, e, mixed, flags, readers, rank)
 
 
 def _attention_saved(spec: ModelSpec, workload: Workload) -> int:
     """Attention's saved tensors; `ae` is the dtype of the attention inputs (bf16 under autocast)."""
     if workload.attn == "sdpa":
         return _sdpa_saved(spec, workload)
+    if workload.attn == "flash_attention_2":
+        return flash_saved_bytes(spec, workload)
     return _eager_attention_saved(spec, workload)
 
 
@@ -145,7 +162,7 @@ def _sdpa_saved(spec: ModelSpec, workload: Workload) -> int:
     b, s = workload.batch, workload.seq
     T, q = b * s, spec.q_dim
     ae = 2 if workload.mixed else compute_bytes(workload)
-    masked = workload.ac_every > 0 or sliding_masks(spec, workload)
+    masked = workload.ac_every > 0 or sliding_masks(spec, workload) or sdpa_masked(workload)
     k_dim = q if (masked and spec.gqa_groups > 1) else spec.kv_dim
     saved = r512(ae * T * q) + 2 * r512(ae * T * k_dim) + r512(ae * T * q) + r512(4 * b * spec.num_heads * s)
     return saved + (r512(ae * b * s * s) if masked else 0)
@@ -197,6 +214,8 @@ def _mlp_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags, h1_rg: bo
     gate_rg = h1_rg or "gate_proj" in t
     up_rg = h1_rg or "up_proj" in t
     mlp = (2 * unit if gate_rg else 0) + (unit if up_rg else 0)
+    if workload.liger:  # LigerSiLUMulFunction keeps gate and up only
+        mlp = 2 * unit if (gate_rg or up_rg) else 0
     if flags.train_all:
         mlp += unit
     elif "down_proj" in t:
@@ -207,9 +226,9 @@ def _mlp_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags, h1_rg: bo
 def _residual_saved(spec: ModelSpec, workload: Workload, h1_rg: bool) -> int:
     """The fp32 residual stream (mixed or fp32 compute) is kept by the next RMSNorm's pow/mul:
     this layer's mid-point h1 (4Th, when it needs a gradient) and its output h2 (4Th)."""
-    if not (workload.mixed or compute_bytes(workload) == 4):
-        return 0
-    stream = r512(4 * workload.batch * workload.seq * spec.hidden_size)
+    if not (workload.mixed or compute_bytes(workload) == 4 or workload.liger):
+        return 0  # (Liger's RMSNorm keeps its input X in any dtype)
+    stream = stream_bytes(workload, spec)
     return (stream if h1_rg else 0) + stream
 
 
@@ -235,12 +254,18 @@ def model_saved_bytes(spec: ModelSpec, workload: Workload,
     plain_rest = L - num_checkpointed - plain_first
     totals = {"norm": 0, "lora": 0, "attention": 0, "mlp": 0, "residual": 0, "checkpoints": 0}
     first, rest = layers or (layer_saved_bytes(spec, workload, 0), layer_saved_bytes(spec, workload, 1))
-    for saved, count in ((first, plain_first), (rest, plain_rest)):
+    kinds = [(first, plain_first), (rest, plain_rest)]
+    if spec.is_moe and spec.num_layers > 1:  # layers 1.. as mixture-of-experts and dense layers each
+        plain_moe = sum(1 for i in spec.moe_layers if i > 0 and not is_checkpointed(workload, i))
+        kinds[1:] = [(layer_saved_bytes(spec, workload, 1, moe=True), plain_moe),
+                     (layer_saved_bytes(spec, workload, 1, moe=False), plain_rest - plain_moe)]
+    for saved, count in kinds:
         if count > 0:
             for part, value in saved.items():
                 totals[part] += count * value
     stream = stream_bytes(workload, spec)
-    fp32_stream = workload.mixed or compute_bytes(workload) == 4
+    # the norms keep the stream itself: fp32 (autocast, fp32 compute) or Liger's RMSNorm (its input X)
+    fp32_stream = workload.mixed or compute_bytes(workload) == 4 or workload.liger
     if num_checkpointed:
         if fp32_stream and K > 1:
             # Only layer 0's input is the checkpoint's own; later checkpointed layers' inputs are the
@@ -271,13 +296,16 @@ def checkpoint_mask_bytes(workload: Workload) -> int:
     checkpoints keep it, and the position ids (8 s), until their layer's backward."""
     if not workload.ac_every:
         return 0
-    return r512(workload.batch * workload.seq * workload.seq) + r512(8 * workload.seq)
+    # flash_attention_2 gets no 4-D mask; packed position ids are an input, counted there
+    mask = 0 if workload.attn == "flash_attention_2" else r512(workload.batch * workload.seq * workload.seq)
+    return mask + (0 if workload.padding_free else r512(8 * workload.seq))
 
 
 def _final_norm_saved_bytes(spec: ModelSpec, workload: Workload) -> int:
     """The final RMSNorm's saved tensors (its input always needs a gradient)."""
-    return norm_saved_bytes(workload.batch * workload.seq, spec.hidden_size, compute_bytes(workload),
-                            workload.mixed, True, trains_base_weights(workload))
+    norm = liger_norm_saved_bytes if workload.liger else norm_saved_bytes
+    return norm(workload.batch * workload.seq, spec.hidden_size, compute_bytes(workload),
+                workload.mixed, True, trains_base_weights(workload))
 
 
 def _final_output_kept_bytes(spec: ModelSpec, workload: Workload) -> int:
@@ -305,5 +333,10 @@ def training_activations(spec: ModelSpec, workload: Workload, distill: bool = Fa
              + _final_norm_saved_bytes(spec, workload) + checkpoint_mask_bytes(workload))
     kept_output = _final_output_kept_bytes(spec, workload)
     output = kept_output if distill else stream_bytes(workload, spec)
-    return TrainingActivations(forward=saved + output + training_cache_bytes(spec, workload),
-                               backward=saved + kept_output, layer=sum(layers[1].values()))
+    layer = sum(layers[1].values())
+    if spec.is_moe:  # a checkpointed layer's backward has the larger kind's saved set back
+        layer = max(sum(layer_saved_bytes(spec, workload, 1, moe=moe).values()) for moe, _n in spec.layer_kinds())
+    # Liger's RoPE leaves K in the compute dtype: the cache holds the very K attention keeps
+    cache = (0 if workload.liger else training_cache_bytes(spec, workload)) + masked_cache_bytes(spec, workload)
+    return TrainingActivations(forward=saved + output + cache,
+                               backward=saved + kept_output, layer=layer)

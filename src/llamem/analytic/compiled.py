@@ -31,7 +31,10 @@ the materialised mask is kept by every one of them, and a layer's backward has m
 set back (`checkpointed_layer_moments`). The chunked loss compiles the decoder only: the head and
 the loss run per chunk outside it (`chunked_loss_backward_bytes`).
 Left out: inductor's own buffer reuse inside a kernel (a fused chain is one buffer), graph breaks
-other than the one checkpointing causes, model types other than Llama and Mistral (refused).
+other than the one checkpointing causes. Sized for Llama, Mistral, Qwen2 (its q/k/v biases are added
+inside addmm: nothing more is saved) and Qwen3 (q_norm and k_norm keep their inputs and rsqrt per head);
+the mixture-of-experts types (Mixtral, Qwen3-MoE, Llama 4) are refused: their router, top-k and
+grouped expert matmuls were not traced compiled, and their token counts per expert are data-dependent.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import LOSS_CHUNKS, Workload
 
-COMPILED_MODEL_TYPES = ("llama", "mistral")
+COMPILED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """The model types whose compiled graphs were traced to derive these terms."""
 INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 """The linears that read one tensor: a LoRA group shares one fp32 cast of it."""
@@ -76,6 +79,8 @@ def layer_saved_bytes(spec: ModelSpec, w: Workload, index: int) -> int:
     saved = (2 if input_rg else 1) * r512(4 * T)  # the norms' rsqrt
     saved += 2 * r512(ea * T * q) + 2 * r512(ea * T * kv) + r512(4 * w.batch * spec.num_heads * w.seq)
     saved += 2 * r512(ea * T * inter)  # gate and up
+    if spec.qk_norm == "rms":  # Qwen3's q_norm and k_norm: their inputs (q and k before the norm) and rsqrt per head
+        saved += r512(ea * T * q) + r512(ea * T * kv) + r512(4 * T * spec.num_heads) + r512(4 * T * spec.num_kv_heads)
     if full:
         saved += 2 * r512(ea * T * h) + r512(ea * T * inter)  # the norms' outputs, the product
     else:
@@ -221,7 +226,7 @@ def compiled_training_moments(spec: ModelSpec, w: Workload, persistent: dict[str
     if spec.model_type not in COMPILED_MODEL_TYPES:
         from llamem.errors import InvalidWorkload
 
-        raise InvalidWorkload([f"--compile is sized for Llama and Mistral models, not {spec.model_type}: "
+        raise InvalidWorkload([f"--compile is sized for dense Llama, Mistral and Qwen models, not {spec.model_type}: "
                                f"drop --compile, or size it with `llamem trace --compile`"])
     with_copies = add_breakdowns(persistent, {"weights/autocast_copies": copies_kept_bytes(spec, w, copies)})
     if w.loss == "chunked":
@@ -239,15 +244,20 @@ def end_of_backward_extra(spec: ModelSpec, w: Workload) -> dict[str, int]:
     tied head's sum inside the graph, `embedding_backward_bytes`). With checkpointing the embedding
     is a graph of its own (the graph break): with fp32 weights a tied head's gradient is added out
     of place by autograd as in eager (`backward.tied_gradient_sum`); with bf16 weights the fp32
-    buffer and the embedding gradient cast from it (a tied head's: beside the head's) are alive."""
+    buffer and the embedding gradient cast from it (a tied head's: beside the head's) are alive.
+    A tied head's gradient is then the head graph's output, not yet summed with the embedding's:
+    it is counted under logits (where it was made, as `backward.tied_gradient_sum` counts the head's
+    half in eager), not under gradients, which hold it only once the sum replaces it."""
     if not w.ac_every:
         return {"temporaries": embedding_backward_bytes(spec, w)}
     from llamem.analytic.backward import tied_gradient_sum
 
     if DTYPE_BYTES[w.weight_dtype] == 4:
         return tied_gradient_sum(spec, w)
-    tied = r512(DTYPE_BYTES[w.weight_dtype] * spec.embedding_params) if spec.tie_word_embeddings else 0
-    return {"temporaries": embedding_backward_bytes(spec, w) + tied}
+    if not (spec.tie_word_embeddings and trains_base_weights(w)):
+        return {"temporaries": embedding_backward_bytes(spec, w)}
+    tied = r512(DTYPE_BYTES[w.weight_dtype] * spec.embedding_params)
+    return {"temporaries": embedding_backward_bytes(spec, w) + tied, "logits": tied, "gradients": -tied}
 
 
 def checkpointed_layer_moments(spec: ModelSpec, w: Workload, grads: int) -> list[dict[str, int]]:

@@ -7,15 +7,18 @@ caches what depends on the parameters alone.
 
 from __future__ import annotations
 
-from llamem.analytic.activations import training_activations
+from llamem.analytic.activations import stream_bytes, training_activations
+from llamem.analytic.attention_paths import attention_notes, extra_input_bytes, packed_shape
 from llamem.analytic.backward import checkpointed_backward_moments, tied_gradient_sum
 from llamem.analytic.common import add_breakdowns, r512
 from llamem.analytic.compiled import compiled_training_moments
 from llamem.analytic.in_backward import end_of_backward_moments, head_gradient_moments, layer_gradient_in_backward
 from llamem.analytic.kv_cache import decode_moment
-from llamem.analytic.liger import liger_uncached_copy_bytes
+from llamem.analytic.liger import liger_top_layer_backward, liger_top_layer_forward, liger_uncached_copy_bytes
 from llamem.analytic.logits import decode_logits_bytes, training_logits
-from llamem.analytic.moe import refuse_moe
+from llamem.analytic.moe import check_moe
+from llamem.analytic.moe_backward import moe_backward_moments
+from llamem.analytic.offload import host_phase_bytes, offload_note, offloaded_activations, offloaded_layer_moments
 from llamem.analytic.optimizer import gradient_bytes, optimizer_phase_temporary_bytes, optimizer_state_bytes
 from llamem.analytic.prefill import prefill_moment
 from llamem.analytic.weights import autocast_copies_in_backward_bytes, autocast_copy_bytes, weight_breakdown
@@ -30,16 +33,21 @@ def estimate(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = No
 
         teacher = load_model(workload.teacher)
     check_teacher(spec, teacher)
-    refuse_moe(spec)
+    check_moe(spec, workload)
     if teacher is not None:
-        refuse_moe(teacher, "teacher")
+        check_moe(teacher, workload, "teacher")
     weights = _weights(spec, workload, teacher)
-    if workload.is_training:
-        phases = _training_phases(spec, workload, weights, teacher)
+    if workload.is_training:  # a padding-free batch is one row of batch x seq tokens
+        phases = _training_phases(spec, packed_shape(workload), weights, teacher)
     else:
         phases = _inference_phases(spec, workload, weights)
-    notes = _notes(spec, workload)
-    return MemoryReport(model=spec, workload=workload, engine="analytic", phases=phases, notes=tuple(notes))
+    notes = _notes(spec, workload) + attention_notes(workload)
+    extra = {}
+    if workload.offload_activations:
+        extra["host_bytes"] = host_phase_bytes(spec, workload)
+        notes.append(offload_note(extra["host_bytes"], "save_on_cpu around each checkpoint"))
+    return MemoryReport(model=spec, workload=workload, engine="analytic", phases=phases, notes=tuple(notes),
+                        extra=extra)
 
 
 def check_teacher(spec: ModelSpec, teacher: ModelSpec | None) -> None:
@@ -58,8 +66,8 @@ def _notes(spec: ModelSpec, workload: Workload) -> list[str]:
         notes.append(f"{tokens} tokens exceed the model's max_position_embeddings "
                      f"({spec.max_position_embeddings}): quality may degrade beyond the trained context")
     if workload.liger and workload.is_training:
-        notes.append("liger: Liger-Kernel's fused linear cross-entropy sized from its source (it runs only on a GPU; "
-                     "the trace engine emulates it byte for byte); its RMSNorm, SwiGLU and RoPE kernels are not sized")
+        notes.append("liger: Liger-Kernel's fused linear cross-entropy, RMSNorm, SwiGLU and RoPE sized from its source "
+                     "(they run only on a GPU; the trace engine emulates them byte for byte)")
     if workload.compile:
         notes.append("compile: what AOT autograd's partitioner saves and inductor's fused kernels hold, derived from "
                      "compiled traces (`llamem trace --compile`); compilation's own time and memory are not counted")
@@ -73,7 +81,8 @@ def _worst(*moments: dict[str, int]) -> dict[str, int]:
 
 
 def _input_ids_bytes(w: Workload) -> int:
-    return r512(8 * w.batch * w.seq)
+    """The int64 ids, and a padded batch's attention mask or a packed one's position ids."""
+    return r512(8 * w.batch * w.seq) + extra_input_bytes(w)
 
 
 def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
@@ -82,19 +91,31 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
     accumulation, gradients of earlier micro-batches live through forward and backward."""
     state, grads, copies = _static_training_bytes(spec, w)
     activations = training_activations(spec, w, distill=teacher is not None)
+    if w.offload_activations:  # the checkpoints' inputs in host memory (`offload.py`)
+        activations = offloaded_activations(spec, w, activations)
     logits = training_logits(spec, w, distill=teacher is not None)
     inputs = {"inputs": _input_ids_bytes(w)}
     persistent = add_breakdowns(weights, state, {"gradients": grads if w.grad_accum > 1 else 0}, inputs)
     forward = add_breakdowns(persistent, {"weights/autocast_copies": copies + logits.forward_weight_casts,
                                 "activations": activations.forward, "logits": logits.forward_peak,
                                 "gradients": logits.forward_gradient})
+    if w.liger and w.uses_adapters:
+        forward = _worst(forward, add_breakdowns(persistent, {"weights/autocast_copies": copies},
+                                                 liger_top_layer_forward(spec, w, activations.forward)))
     copies_in_backward = autocast_copies_in_backward_bytes(spec, w, copies) - liger_uncached_copy_bytes(spec, w)
     loss_backward = add_breakdowns(persistent, {"weights/autocast_copies": copies_in_backward,
                                       "activations": activations.backward, "logits": logits.backward_peak,
                                       "gradients": logits.forward_gradient,
                                       "temporaries": logits.backward_temporaries})
     layer_backward = [add_breakdowns(persistent, moment)
-                      for moment in checkpointed_backward_moments(spec, w, grads, activations.layer)]
+                      for moment in checkpointed_backward_moments(spec, w, grads, activations.layer)
+                      + moe_backward_moments(spec, w, grads)]
+    if w.liger and not w.ac_every:  # Liger's RMSNorm: the top layer's backward is worse than the loss's
+        layer_backward.append(add_breakdowns(persistent, {"weights/autocast_copies": copies_in_backward},
+                                             liger_top_layer_backward(spec, w, activations.backward,
+                                                                      stream_bytes(w, spec))))
+    if w.offload_activations:
+        layer_backward = offloaded_layer_moments(spec, w, layer_backward)
     compiled_end: dict[str, int] = {}
     if w.compile:  # what the compiled graph saves and holds instead (`compiled.py`)
         forward, loss_backward, layer_backward, compiled_end = compiled_training_moments(

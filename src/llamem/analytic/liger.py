@@ -19,7 +19,11 @@ In forward, beyond those two and `loss_1d` (fp32, T) and the target mask (bool, 
   that lives until the next chunk's;
 - in pure bf16/fp16 the weight gradient's part is `mm(...).float()`: a V x h product in the
   compute dtype and its fp32 copy, alive together; in fp32 the product only.
-Only the fused linear cross-entropy is sized; Liger's RMSNorm, SwiGLU and RoPE kernels are not.
+Liger's other kernels (`llamem.trace.liger_kernels`) change the layers: its RMSNorm keeps its input X
+and an fp32 rstd (no fp32 upcast), its SwiGLU keeps gate and up only, its RoPE rotates q and k in
+place (no fp32 copies under autocast, so the training cache's K is attention's own); sized in
+`activations.py`, with the moments they move below (the top layer's backward, and for adapters the top
+layer's forward).
 """
 
 from __future__ import annotations
@@ -86,3 +90,57 @@ def liger_uncached_copy_bytes(spec: ModelSpec, w: Workload) -> int:
 def _labels_bytes(w: Workload) -> int:
     """LigerForCausalLMLoss pads the labels and makes the shifted copy contiguous (int64 each)."""
     return r512(8 * w.batch * (w.seq + 1)) + r512(8 * w.batch * w.seq)
+
+
+def liger_top_layer_backward(spec: ModelSpec, w: Workload, saved_activation_bytes: int,
+                             stream_bytes: int) -> dict[str, int]:
+    """With Liger's RMSNorm the final norm's backward makes almost nothing (dX is written into dY): the
+    worst moment of a plain step's backward moves to the top layer's down_proj backward. Alive beyond
+    what persists: the saved activations less the final norm's (the top layer's output, its rstd and,
+    in pure precision, its output the plain head would keep), the stream gradient (Liger's grad_input,
+    handed on), the gradient of the SwiGLU product (T x I) and, when the base trains, the head's and the
+    final norm's gradients and down_proj's: under autocast still its bf16 product (the fp32 gradient
+    comes after), with the stream gradient's bf16 cast."""
+    liger = liger_bytes(spec, w)
+    T, h, I = w.batch * w.seq, spec.hidden_size, spec.intermediate_size
+    wb, e = DTYPE_BYTES[w.weight_dtype], DTYPE_BYTES[w.compute_dtype]
+    held = liger.gradient if spec.tie_word_embeddings else 0
+    trains = trains_base_weights(w)
+    gradients, temporaries = liger.gradient - held, r512(e * T * I)
+    if w.quant != "none":  # down_proj's dequantized weight, for its input's gradient
+        temporaries += r512(e * h * I)
+    freed = stream_bytes + r512(4 * T) + (stream_bytes if trains and not w.mixed else 0)
+    if trains:
+        gradients += r512(wb * h)
+        if w.mixed:
+            temporaries += r512(2 * h * I) + r512(2 * T * h)
+        else:
+            gradients += r512(wb * h * I)
+    return {"activations": saved_activation_bytes - freed, "logits": liger.kept + held,
+            "gradients": gradients, "temporaries": temporaries}
+
+
+LIGER_NUM_SMS = 132
+"""SMs of the card Liger's RMSNorm backward is sized for (an H100 SXM or H200): one fp32 row each."""
+
+
+def liger_norm_backward_bytes(spec: ModelSpec, w: Workload) -> int:
+    """`rms_norm_backward`: the fp32 partial weight gradient (SMs x h), its sum over SMs (fp32 h) and
+    that sum cast to the weight's dtype (made whether or not the weight trains)."""
+    h, wb = spec.hidden_size, DTYPE_BYTES[w.weight_dtype]
+    return r512(4 * LIGER_NUM_SMS * h) + r512(4 * h) + (r512(wb * h) if wb != 4 else 0)
+
+
+def liger_top_layer_forward(spec: ModelSpec, w: Workload, forward_activation_bytes: int) -> dict[str, int]:
+    """Adapters under Liger: the frozen head makes the fused loss cheap (no weight gradient), so the
+    forward's worst moment can be the top layer's down_proj: every saved tensor, plus the SwiGLU
+    product (down_proj's input, never kept itself by a frozen or adapted down_proj), down_proj's output,
+    with a quantized base its dequantized weight, and with an adapted down_proj lora_B's fp32 output
+    and its scaled copy."""
+    T, h, I, e = w.batch * w.seq, spec.hidden_size, spec.intermediate_size, DTYPE_BYTES[w.compute_dtype]
+    extra = r512(e * T * I) + r512(e * T * h)
+    if w.quant != "none":
+        extra += r512(e * h * I)
+    if "down_proj" in w.lora_targets:
+        extra += 2 * r512(4 * T * h)
+    return {"activations": forward_activation_bytes + extra}

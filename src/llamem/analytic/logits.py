@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llamem.analytic.common import r512, trains_base_weights
-from llamem.analytic.liger import liger_bytes
+from llamem.analytic.liger import liger_bytes, liger_norm_backward_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import LOSS_CHUNKS, Workload
@@ -104,10 +104,10 @@ def _distillation_loss(spec: ModelSpec, workload: Workload, head_input: int) -> 
 def _liger_loss(spec: ModelSpec, workload: Workload) -> LogitsBytes:
     """Liger's fused linear cross-entropy (`llamem.analytic.liger`): grad_input kept from forward to
     backward, grad_weight (the head's gradient) too; in backward it hands them on and the final
-    RMSNorm's backward (five fp32 T x h temporaries) is the worst moment at the top."""
+    RMSNorm's backward follows, Liger's own (`liger_norm_backward_bytes`: dX written into dY, an fp32
+    partial weight gradient per SM)."""
     liger = liger_bytes(spec, workload)
-    T = workload.batch * workload.seq
-    norm_backward = FINAL_NORM_BACKWARD_TENSORS * r512(4 * T * spec.hidden_size)
+    norm_backward = liger_norm_backward_bytes(spec, workload)
     # A tied head's grad_weight is never the gradient itself: autograd sums it with the embedding's.
     held = liger.gradient if spec.tie_word_embeddings else 0
     return LogitsBytes(forward_peak=liger.kept + liger.forward_extra + held, saved=liger.kept + held,

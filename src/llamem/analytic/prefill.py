@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from llamem.analytic.activations import compute_bytes
 from llamem.analytic.common import prefill_chunks, r512
+from llamem.analytic.moe import moe_forward_temporaries
 from llamem.analytic.kv_cache import (kv_cache_bytes, kv_layer_tensor_bytes, old_tensors_alive, repeated_kv_bytes,
                                       stored_tokens)
 from llamem.model import ModelSpec
@@ -71,7 +72,10 @@ def _layer_temporaries(spec: ModelSpec, w: Workload, chunk: int, keys: int) -> i
     e = compute_bytes(w)
     h, I = spec.hidden_size, spec.intermediate_size
     held = _held(spec, w, chunk)
-    mlp = held + 2 * r512(e * T * h) + 3 * r512(e * T * I)
+    if spec.num_layers - 1 in spec.moe_layers:  # the last layer, where the cache is whole, is a mixture of experts
+        mlp = held + 2 * r512(e * T * h) + moe_forward_temporaries(spec, w, T)
+    else:
+        mlp = held + 2 * r512(e * T * h) + 3 * r512(e * T * I)
     norm = held + r512(e * T * h) + 2 * r512(4 * T * h)
     attention = held + _eager_attention_temporaries(spec, w, chunk, keys) if w.attn == "eager" else 0
     return max(mlp, norm, attention)

@@ -85,7 +85,20 @@ def _optimizer_step(ev: _Events, w: Workload, grads: list[int], grad_sizes: list
     temporaries, then zero_grad(set_to_none=True) frees the gradients."""
     ev.alloc(new_state)
     temporaries = ev.alloc(grad_sizes) if has_step_temporaries(w) else []
+    if w.optimizer == "adamw-loop":
+        _loop_step(ev, grad_sizes)
     ev.free(temporaries + grads)
+
+
+def _loop_step(ev: _Events, grad_sizes: list[int]) -> None:
+    """For-loop AdamW, tensor by tensor: `exp_avg_sq.sqrt()`, then `denom` (the sqrt divided), the
+    sqrt dropped at the end of the expression, the previous tensor's denom when the name is rebound."""
+    previous: list = []
+    for size in grad_sizes:
+        root, denom = ev.alloc([size]), ev.alloc([size])
+        ev.free(root + previous)
+        previous = denom
+    ev.free(previous)
 
 
 def _loss(ev: _Events, spec: ModelSpec, w: Workload, unit_h: int, hidden: int | None,
@@ -331,7 +344,7 @@ def optimizer_state_tensors(w: Workload, numels: list[int], param_bytes: list[in
     """The optimizer's state tensors in the order it creates them: parameter by parameter."""
     out: list[int] = []
     for numel, size in zip(numels, param_bytes):
-        if w.optimizer == "adamw":
+        if w.optimizer in ("adamw", "adamw-fused", "adamw-loop"):
             out += [512, size, size]  # step, exp_avg, exp_avg_sq
         elif w.optimizer == "sgd":
             out.append(size)

@@ -225,6 +225,8 @@ def choose(layout: Layout, engine: str, *, adapters: bool = False, generation: b
 
 def unsupported_reason(w: Workload, layout: Layout, strategy: str, spec: ModelSpec | None = None) -> str | None:
     """Why the bundle cannot run this configuration as planned, or None."""
+    if layout.ep > 1:
+        return EXPERT_PARALLEL_UNEMITTED
     unrun = unrun_settings(w)
     if unrun:
         return f"train.py does not apply {unrun}: plan without it"
@@ -242,17 +244,31 @@ def unsupported_reason(w: Workload, layout: Layout, strategy: str, spec: ModelSp
     if strategy == "fsdp2" and w.uses_adapters:
         return ("LoRA under FSDP2 is not sized by llamem (its ZeRO-3 figure of a LoRA base is DeepSpeed's): emit with "
                 "engine 'deepspeed', or choose --gpus so the plan uses DDP")
-    if strategy == "fsdp2" and w.optimizer in ("adamw8bit", "adafactor", "adamw-fused"):
-        # torch's Adafactor fails on DTensor gradients ("in-place operations that require placement changes").
+    if strategy == "fsdp2" and w.optimizer in ("adamw8bit", "adafactor"):
+        # torch's Adafactor fails on DTensor gradients ("in-place operations that require placement changes");
+        # torch's fused AdamW steps FSDP2 and tensor-parallel shards (checked on 2 gloo ranks, torch 2.13).
         return f"{w.optimizer} on FSDP2 shards (DTensors) is not emitted yet: plan with --exact, or with DDP"
     return None
+
+
+EXPERT_PARALLEL_UNEMITTED = (
+    "expert parallelism is not emitted: DeepSpeed 0.19.8's AutoEP (ds_config \"expert_parallel\": {\"enabled\": true, "
+    "\"autoep_size\": N}, presets for mixtral and qwen3_moe) and transformers 5.24's "
+    "DistributedConfig(ep_size=N) run it, but each replaces the experts' forward with its own dispatch, whose "
+    "memory llamem has not sized; accelerate 1.15's ParallelismConfig and torch have no expert dimension. "
+    "Plan without it (the layouts the bundles run are searched with --emit)")
+"""Why no bundle runs an expert-parallel layout (`llamem.expert_parallel`)."""
 
 
 def unrun_settings(w: Workload) -> str:
     """The workload's settings train.py does not apply (its figures would not be the plan's), or ""."""
     settings = {"torch.compile (--compile)": w.compile, "Liger's fused loss (--liger)": w.liger,
                 "the optimizer step in backward": w.optimizer_in_backward,
-                f"{w.ac_mode} activation checkpointing": w.ac_every and w.ac_mode != "full"}
+                f"{w.ac_mode} activation checkpointing": w.ac_every and w.ac_mode != "full",
+                "activation offloading (--offload-activations)": w.offload_activations,
+                "padded batches (--padding longest)": w.padding != "none",
+                "packed rows (--padding-free)": w.padding_free,
+                f"attention {w.attn} (--attn)": w.attn != "sdpa"}
     return ", ".join(name for name, used in settings.items() if used)
 
 
@@ -290,7 +306,7 @@ def model_parallel_reason(w: Workload, layout: Layout, strategy: str, spec: Mode
         return f"{name} bundles run one replica, without data parallel, ZeRO or offload: {instead}"
     if not w.is_training or w.task != "train":
         return f"{name} bundles train the whole model (--task train), not --task {w.task}: {instead}"
-    if w.quant != "none" or w.optimizer not in ("adamw", "adamw-foreach", "adamw-loop", "sgd") or (
+    if w.quant != "none" or w.optimizer not in ("adamw", "adamw-foreach", "adamw-fused", "adamw-loop", "sgd") or (
             w.precision == "fp16-mixed"):
         return (f"{name} bundles run AdamW or SGD in fp32, bf16-mixed or bf16, unquantized (here: {w.optimizer}, "
                 f"{w.precision}{', ' + w.quant if w.quant != 'none' else ''}): {instead}")

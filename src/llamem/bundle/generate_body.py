@@ -21,44 +21,21 @@ import argparse
 import contextlib
 import gc
 import os
-import sys
 from pathlib import Path  # noqa: F401  (load_model, above main, reads config.json with it)
 
 import torch
 import torch.distributed as dist
 
+from llamem.bundle.common_body import (common_parser, make_tracker, parse_checked, refuse, say,
+                                       tensor_parallel_plan)
+
 
 def parse_args(plan: dict, argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=f"Generate with {plan['model_name']} as planned by llamem "
-                                     f"({plan['layout_description']}) from random prompts.")
-    parser.add_argument("--cpu", action="store_true", help="Run the planned processes on CPU (gloo backend); "
-                        "each process's memory is counted by llamem's CpuMemoryTracker.")
-    parser.add_argument("--random-init", action="store_true",
-                        help="Build the model from the bundle's config.json with random weights (no download).")
-    parser.add_argument("--max-steps", type=int, default=1, help="Generation rounds (each the plan's batch).")
-    parser.add_argument("--model", default=plan["model_id"], help="Checkpoint to load (a Hugging Face id or a "
-                        "local directory).")
-    args = parser.parse_args(argv)
-    if args.max_steps < 1:
-        parser.error("--max-steps must be at least 1")
-    return args
-
-
-def refuse(plan: dict, args: argparse.Namespace) -> None:
-    """Exit 1 with the reason, before any work, when this bundle cannot run the plan as asked."""
-    problems = [plan["unsupported"]] if plan["unsupported"] else []
-    if not args.random_init and not args.model:
-        problems.append("the plan names no checkpoint (its model came from a config file): pass --model ID_OR_PATH, "
-                        "or --random-init to build it from config.json")
-    if problems:
-        print("error: " + "; ".join(problems), file=sys.stderr)
-        sys.exit(1)
-
-
-def say(line: str) -> None:
-    """One write per line: the ranks share the launcher's stdout, and a line written whole is not split."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    parser = common_parser(plan, f"Generate with {plan['model_name']} as planned by llamem "
+                           f"({plan['layout_description']}) from random prompts.", "Run the planned processes on "
+                           "CPU (gloo backend); each process's memory is counted by llamem's CpuMemoryTracker.",
+                           max_steps=1, max_steps_help="Generation rounds (each the plan's batch).")
+    return parse_checked(parser, argv)
 
 
 def setup(args: argparse.Namespace) -> tuple[int, int, torch.device]:
@@ -73,43 +50,18 @@ def setup(args: argparse.Namespace) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def make_tracker(args: argparse.Namespace):
-    if not args.cpu:
-        return None
-    try:
-        from llamem.bundle.ranks import RankTracker
-    except ImportError:
-        print("note: llamem is not installed: the CPU run prints no memory figures", file=sys.stderr)
-        return None
-    return RankTracker(history=False)
-
-
-def tensor_parallel_plan(num_layers: int) -> dict:
-    """Attention and MLP split Megatron-style, the embedding and the head over the vocabulary; the head's
-    output gathered, so that every rank samples the same next token."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    layout = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-              "lm_head": ColwiseParallel(output_layouts=Replicate())}
-    for index in range(num_layers):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            layout[f"model.layers.{index}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            layout[f"model.layers.{index}.{name}"] = RowwiseParallel()
-    return layout
-
-
 def place(plan: dict, model, device: torch.device, world: int, tracker):
     """The model on its GPU(s) as the plan places it."""
     if plan["strategy"] == "tp":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import parallelize_module
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
         # Every rank loaded the same weights: each keeps its piece (no scatter from rank 0), one parameter at a
         # time on the GPU, never the whole model; then the norms and buffers move.
+        head = ColwiseParallel(output_layouts=Replicate())  # the logits gathered: every rank samples the same token
         parallelize_module(model, init_device_mesh(device.type, (world,)),
-                           tensor_parallel_plan(model.config.num_hidden_layers), src_data_rank=None)
+                           tensor_parallel_plan(model.config.num_hidden_layers, head), src_data_rank=None)
         model.to(device)
         gc.collect()  # the whole weights the shards were cut from
         if tracker is not None:  # the replicated norms and the buffers: count them as moved

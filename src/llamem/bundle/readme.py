@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from llamem.bundle.launch import Processes
 from llamem.bundle.layouts import describe
+from llamem.engine_precision import precision_note
 from llamem.parallel import fsdp2_problems, per_gpu_phases, with_engine
 from llamem.plan import Plan
 from llamem.reporters.plan_report import render_plan
@@ -149,6 +150,8 @@ def fsdp2_allocated_bytes(plan: Plan) -> int | None:
 
 def _run_section(plan: Plan, strategy: str) -> list[str]:
     w = plan.final.workload
+    # A ZeRO-3 layout the bundle runs with fully_shard holds FSDP2's precision, whoever sized it.
+    runs = with_engine(plan.final.layout, "fsdp2") if strategy == "fsdp2" else plan.final.layout
     weight_bytes = plan.model.num_params * (4 if w.weight_dtype == "fp32" else 2)
     return ["## What train.py runs", "",
             f"- {w.batch} sequence{'s' if w.batch > 1 else ''} of {w.seq} random token ids per micro-batch, "
@@ -157,11 +160,19 @@ def _run_section(plan: Plan, strategy: str) -> list[str]:
             "loader in `train_step`.",
             f"- {w.precision}, {w.optimizer}, activation checkpointing {w.ac_label}, {w.loss} loss, gradient "
             "clipping at 1.0.",
+            f"- {_sentence(precision_note(w, runs))}",
             f"- Every process loads the whole checkpoint into host memory before it is moved or sharded: about "
             f"{format_bytes(weight_bytes)} of host memory per process.",
             "- With llamem installed each rank also writes llamem's MemoryMonitor log, `memory-rank{R}.jsonl` "
             "(`--memory-log`).",
+            "- `--cpu --memory-trace DIR` writes each rank's allocations and frees to `DIR/rank{R}.json`; "
+            "`llamem allocator replay DIR/rank{R}.json` replays them through the caching-allocator simulator: "
+            "that rank's reserved memory from its own schedule.",
             ""]
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + "."
 
 
 GENERATION_TEXT = {

@@ -1,5 +1,5 @@
-"""train.py (generate.py): the plan's settings and model-loading code, then `train_body.py`'s
-(`generate_body.py`'s) text.
+"""train.py (generate.py): the plan's settings and model-loading code, `common_body.py`'s text (what both
+scripts share), then `train_body.py`'s (`generate_body.py`'s).
 
 The model is loaded by the lines `llamem plan --code` prints (`llamem.techniques.workload_code`:
 dtype, attention, quantization, LoRA), so the bundle and the snippet cannot disagree.
@@ -15,6 +15,8 @@ from llamem.workload import Workload
 
 BODY = Path(__file__).with_name("train_body.py")
 GENERATE_BODY = Path(__file__).with_name("generate_body.py")
+COMMON_BODY = Path(__file__).with_name("common_body.py")
+COMMON_MODULE = "llamem.bundle.common_body"
 
 
 def train_script(w: Workload, settings: dict, title: str) -> str:
@@ -29,12 +31,34 @@ def generate_script(w: Workload, settings: dict, title: str) -> str:
 
 
 def _script(name: str, body: Path, w: Workload, settings: dict, title: str, extra: str) -> str:
-    imports, code = _body_parts(body.read_text())
+    imports, code = _inlined(body)
     parts = [f'#!/usr/bin/env python\n"""{title}\n\nWritten by `llamem plan --emit`; launch it with launch.sh '
              f'(README.md). `python {name} --help` lists its options.\n"""\n\nfrom __future__ import annotations\n',
              imports, _model_imports(w), _plan_literal(settings), *([extra] if extra else []), "", "",
              _load_model(w), code.rstrip("\n"), "", "", 'if __name__ == "__main__":', "    main(PLAN, load_model)"]
     return "\n".join(parts) + "\n"
+
+
+def _inlined(body: Path) -> tuple[str, str]:
+    """The body's imports with those `common_body.py` needs added to its first (standard library) block,
+    and `common_body.py`'s code before the body's: one standalone script."""
+    common_imports, common_code = _body_parts(COMMON_BODY.read_text())
+    imports, code = _body_parts(_without_common_import(body.read_text()))
+    blocks = [block.splitlines() for block in imports.strip("\n").split("\n\n")]
+    missing = [line for line in common_imports.splitlines() if line and line not in blocks[0]]
+    blocks[0] = sorted(blocks[0] + missing, key=lambda line: (line.startswith("from "), line.split()[1]))
+    merged = "\n\n".join("\n".join(block) for block in blocks if block) + "\n"
+    return merged, common_code.rstrip("\n") + "\n\n\n" + code
+
+
+def _without_common_import(text: str) -> str:
+    """The body without its import of `common_body`'s names (the script holds them itself)."""
+    lines = text.splitlines()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.ImportFrom) and node.module == COMMON_MODULE:
+            del lines[node.lineno - 1:node.end_lineno]
+            break
+    return "\n".join(lines) + "\n"
 
 
 def _body_parts(text: str) -> tuple[str, str]:

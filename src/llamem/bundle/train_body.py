@@ -25,48 +25,33 @@ import contextlib
 import gc
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from llamem.bundle.common_body import (common_parser, make_tracker, parse_checked, refuse, say,
+                                       tensor_parallel_plan)
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(plan: dict, argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=f"Train {plan['model_name']} as planned by llamem "
-                                     f"({plan['layout_description']}) on random token ids.")
-    parser.add_argument("--cpu", action="store_true", help="Run every planned GPU as a CPU process (gloo backend); "
-                        "each process's memory is counted by llamem's CpuMemoryTracker.")
-    parser.add_argument("--random-init", action="store_true",
-                        help="Build the model from the bundle's config.json with random weights (no download).")
-    parser.add_argument("--max-steps", type=int, default=plan["max_steps"], help="Optimizer steps to run.")
-    parser.add_argument("--model", default=plan["model_id"], help="Checkpoint to load (a Hugging Face id or a "
-                        "local directory).")
+    parser = common_parser(plan, f"Train {plan['model_name']} as planned by llamem ({plan['layout_description']}) on "
+                           "random token ids.", "Run every planned GPU as a CPU process (gloo backend); each "
+                           "process's memory is counted by llamem's CpuMemoryTracker.", max_steps=plan["max_steps"],
+                           max_steps_help="Optimizer steps to run.")
     parser.add_argument("--memory-log", default="memory-rank{rank}.jsonl",
                         help="llamem's MemoryMonitor log per rank ({rank} is replaced), when llamem is installed.")
+    parser.add_argument("--memory-trace", default=None, metavar="DIR",
+                        help="With --cpu: write each rank's allocations and frees to DIR/rank{rank}.json "
+                        "(llamem-trace-v1: `llamem allocator replay` gives that rank's reserved memory).")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.max_steps < 1:
-        parser.error("--max-steps must be at least 1")
+    args = parse_checked(parser, argv)
+    if args.memory_trace is not None and not args.cpu:
+        parser.error("--memory-trace records llamem's CPU tracker: add --cpu (on a GPU, "
+                     "torch.cuda.memory._record_memory_history records a rank)")
     return args
-
-
-def refuse(plan: dict, args: argparse.Namespace) -> None:
-    """Exit 1 with the reason, before any work, when this bundle cannot run the plan as asked."""
-    problems = [plan["unsupported"]] if plan["unsupported"] else []
-    if args.random_init and plan["quantized"]:
-        problems.append("--random-init cannot build a quantized base: bitsandbytes quantizes while loading a "
-                        "checkpoint; drop --random-init")
-    if not args.random_init and not args.model:
-        problems.append("the plan names no checkpoint (its model came from a config file): pass --model ID_OR_PATH, "
-                        "or --random-init to build it from config.json")
-    if args.cpu and plan["quantized"]:
-        problems.append("a quantized base needs bitsandbytes' GPU kernels: run without --cpu")
-    if problems:
-        print("error: " + "; ".join(problems), file=sys.stderr)
-        sys.exit(1)
 
 
 # Processes -----------------------------------------------------------------------------------------
@@ -82,24 +67,6 @@ def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]
     if world > 1 or "RANK" in os.environ:
         dist.init_process_group("gloo" if args.cpu else "nccl")
     return rank, world, device
-
-
-def say(line: str) -> None:
-    """One write per line: the ranks share the launcher's stdout, and a line written whole is not split."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def make_tracker(args: argparse.Namespace):
-    """llamem's tracker for this rank on CPU (None on a GPU, or without llamem)."""
-    if not args.cpu:
-        return None
-    try:
-        from llamem.bundle.ranks import RankTracker
-    except ImportError:
-        print("note: llamem is not installed: the CPU run prints no memory figures", file=sys.stderr)
-        return None
-    return RankTracker(history=False)
 
 
 def make_monitor(model, optimizer, tracker, args: argparse.Namespace, rank: int):
@@ -359,7 +326,7 @@ def wrap_accelerate(plan: dict, module: CausalLMLoss, device: torch.device) -> R
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, DummyOptim
 
-    accelerator = Accelerator(gradient_accumulation_steps=plan["grad_accum"])
+    accelerator = Accelerator(gradient_accumulation_steps=plan["grad_accum"], **accelerate_plugins(plan))
     params = [p for p in module.parameters() if p.requires_grad]
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         optimizer = DummyOptim(params, lr=plan["lr"])  # ds_config.json names the optimizer
@@ -367,6 +334,20 @@ def wrap_accelerate(plan: dict, module: CausalLMLoss, device: torch.device) -> R
         optimizer = make_optimizer(plan, params)
     module, optimizer = accelerator.prepare(module, optimizer)
     return AccelerateRun(plan, module, optimizer, accelerator.device, accelerator)
+
+
+def accelerate_plugins(plan: dict) -> dict:
+    """accelerate's FSDP2 under `mixed_precision: bf16` would build MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=bf16) (accelerate 1.15 `FullyShardedDataParallelPlugin.set_mixed_precision`); the plan's
+    policy reduces the gradients in fp32, as train.py's own fully_shard does and llamem sizes. A policy
+    given here is kept: accelerate sets its own only where none is."""
+    if plan["strategy"] != "fsdp2" or not plan["mixed"]:
+        return {}
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan["compute_dtype"]], reduce_dtype=torch.float32)
+    return {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy)}
 
 
 # Tensor and pipeline parallel ---------------------------------------------------------------------
@@ -413,30 +394,16 @@ class TensorParallelRun(Run):
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def tensor_parallel_plan(num_layers: int) -> dict:
-    """torchtitan's Llama plan without sequence parallelism: q, k, v, gate and up split by columns (heads and
-    MLP width), o and down by rows (one all-reduce each), the embedding and head over the vocabulary."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    layout = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-              "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for index in range(num_layers):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            layout[f"model.layers.{index}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            layout[f"model.layers.{index}.{name}"] = RowwiseParallel()
-    return layout
-
-
 def wrap_tensor_parallel(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tracker) -> Run:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     mesh = init_device_mesh(device.type, (world,))
+    head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)  # logits kept sharded for the loss
     # Every rank loaded the same weights (one seed, one checkpoint): each keeps its piece, one parameter at a
     # time on the GPU (src_data_rank=None: no scatter from rank 0), never the whole model; then the rest moves.
-    parallelize_module(module.model, mesh, tensor_parallel_plan(module.model.config.num_hidden_layers),
+    parallelize_module(module.model, mesh, tensor_parallel_plan(module.model.config.num_hidden_layers, head),
                        src_data_rank=None)
     module.to(device)
     module.vocab_parallel = True
@@ -560,9 +527,17 @@ def hf_model(run: Run):
     return getattr(module, "model", module)  # a pipeline stage is its own model
 
 
+def write_trace(tracker, folder: Path, rank: int) -> None:
+    """This rank's allocation events, as the tracker saw them, for the allocator simulator."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank{rank}.json"
+    tracker.write_snapshot(path)
+    say(f"rank {rank} trace {path}")
+
+
 def main(plan: dict, load_model, argv: list[str] | None = None) -> None:
     args = parse_args(plan, argv)
-    refuse(plan, args)
+    refuse(plan, args, quantized=plan["quantized"])
     rank, world, device = setup_distributed(args)
     if rank == 0:
         say(f"llamem bundle: {plan['model_name']}, {plan['layout_description']}, {world} process"
@@ -572,7 +547,7 @@ def main(plan: dict, load_model, argv: list[str] | None = None) -> None:
             say("note: accelerate shards nothing on CPU (it falls back to MULTI_CPU data parallel): this CPU run "
                 f"applies the same layout with {plan['strategy']} directly")
     model = build_model(plan, load_model, args)  # in host memory: a GPU holds it only once wrapped
-    tracker = make_tracker(args)
+    tracker = make_tracker(args, history=args.memory_trace is not None)
     meter = Meter(tracker, device)
     with tracker if tracker is not None else contextlib.nullcontext():
         run = wrap(plan, model, device, world, tracker, args)
@@ -592,5 +567,7 @@ def main(plan: dict, load_model, argv: list[str] | None = None) -> None:
                 say(f"rank {rank} step {step} loss={loss:.4f}{figures}")
     if meter.measured:
         say(f"rank {rank} peak_bytes={meter.run_peak_bytes}")
+    if tracker is not None and args.memory_trace is not None:
+        write_trace(tracker, Path(args.memory_trace), rank)
     if dist.is_initialized():
         dist.destroy_process_group()

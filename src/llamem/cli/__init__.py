@@ -15,6 +15,8 @@ import sys
 
 import click
 
+from llamem.cli.serving import (estimate_server, estimate_server_options, plan_server, plan_server_options,
+                                pop_server_options)
 from llamem.errors import EXIT_DOES_NOT_FIT, EXIT_INVALID_INPUT, EXIT_USAGE, LlamemError, UsageError
 from llamem.model import load_model, parse_overrides
 from llamem.techniques import RECORDS
@@ -45,6 +47,9 @@ def layout_options(command):
         click.option("--gpus", type=int, default=1, show_default=True, help="GPUs (per-GPU memory is reported)."),
         click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree."),
         click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree."),
+        click.option("--ep", type=int, default=1, show_default=True,
+                     help="Expert-parallel degree (mixtures of experts): experts per GPU = experts / ep, carved "
+                     "out of the data-parallel GPUs."),
         click.option("--sharding", type=click.Choice(["none", "ddp", "zero1", "zero2", "zero3"]), default=None,
                      help="Data-parallel sharding.  [default: ddp with several GPUs]"),
         click.option("--offload", type=click.Choice(["none", "optimizer", "optimizer+params"]), default="none",
@@ -122,14 +127,18 @@ def app():
 @layout_options
 @node_options
 @click.option("--html", "html_path", metavar="FILE", help="Also write the report as one self-contained HTML page.")
-def estimate(as_json, html_path, gpus, tp, pp, sharding, offload, pp_schedule, engine, nodes, gpus_per_node,
+@estimate_server_options
+def estimate(as_json, html_path, gpus, tp, pp, ep, sharding, offload, pp_schedule, engine, nodes, gpus_per_node,
              **options):
-    """How much memory a workload takes, and where it goes (analytic, no torch)."""
+    """How much memory a workload takes, and where it goes (analytic, no torch). With --server, what a
+    vLLM or SGLang launch reports at start-up."""
     from llamem.parallel import make_layout
     from llamem.reporters.json_report import report_to_dict
     from llamem.reporters.text import render_report
     from llamem.sizing import estimate_report
 
+    if (server := pop_server_options(options))["server"]:
+        return estimate_server(server, options=options, as_json=as_json, gpus=gpus, tp=tp)
     gpus, per_node = node_gpus(gpus, nodes, gpus_per_node)
     if per_node:
         from llamem.cluster import Cluster, placement_problems
@@ -139,7 +148,7 @@ def estimate(as_json, html_path, gpus, tp, pp, sharding, offload, pp_schedule, e
             raise InvalidWorkload(problems)
     spec, workload, teacher, _names = resolve(**options)
     layout = make_layout(spec, workload, gpus=gpus, tp=tp, pp=pp, sharding=sharding, offload=offload,
-                         pp_schedule=pp_schedule, engine=engine)
+                         pp_schedule=pp_schedule, engine=engine, ep=ep)
     report = estimate_report(spec, workload, layout, teacher)
     if html_path:
         from llamem.reporters.html import write_estimate_html
@@ -188,12 +197,17 @@ def trace(as_json, save_trace, **options):
               "optimizer; prints Megatron-LM arguments, no bundle).")
 @click.option("--html", "html_path", metavar="FILE", help="Also write the plan as one self-contained HTML page.")
 @node_options
+@plan_server_options
 def plan(as_json, html_path, show_code, emit_dir, **choices):
     """The cheapest set of changes that fits a GPU: a ladder, and the command that reproduces it.
-    With several GPUs, --batch x --grad-accum is the global batch per optimizer step."""
+    With several GPUs, --batch x --grad-accum is the global batch per optimizer step. With --server,
+    the cheapest vLLM or SGLang launch for --concurrency requests of --seq tokens."""
     from llamem.plan import does_not_fit
     from llamem.reporters.plan_report import plan_to_dict, render_plan
 
+    if (server := pop_server_options(choices, ("server", "concurrency")))["server"]:
+        return plan_server(server, options=choices, as_json=as_json, gpu_name=choices.pop("gpu_name"),
+                           gpus=choices.pop("gpus"))
     runnable = None
     if emit_dir is not None:  # the search keeps only what the bundle runs; a bad --engine fails before it
         from llamem.bundle.emit import bundle_runs

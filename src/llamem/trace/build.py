@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from llamem.model import HF_CLASSES, ModelSpec
+from llamem.trace.padding import configure
 from llamem.workload import Workload
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,6 +65,7 @@ def hf_config(spec: ModelSpec, workload: Workload):
     fields = {k: v for k, v in spec.config.items() if k not in ("torch_dtype", "dtype", "architectures", "model_type")}
     config = getattr(transformers, HF_CLASSES[spec.model_type][0])(**fields)
     config._attn_implementation = workload.attn
+    configure(config, workload)  # flash_attention_2: the emulated kernels (`llamem.trace.flash`)
     return config
 
 
@@ -74,20 +76,11 @@ def hf_model_class(spec: ModelSpec):
 
 
 def check_moe_workload(spec: ModelSpec, workload: Workload) -> None:
-    """Workloads a mixture of experts cannot run as transformers builds it. Its fused experts
-    (MixtralExperts, Qwen3MoeExperts) run torch's grouped_mm by default, which takes bf16 only
-    (torch.nn.functional.grouped_mm); bitsandbytes quantizes nn.Linear modules, not fused 3-D experts."""
-    if not spec.is_moe:
-        return
+    """Workloads a mixture of experts cannot run as transformers builds it (`analytic/moe.py`)."""
+    from llamem.analytic.moe import transformers_moe_problems
     from llamem.errors import InvalidWorkload
 
-    problems = []
-    if workload.weight_dtype != "bf16" and spec.model_type != "llama4_text":
-        problems.append(f"{spec.model_type} runs its experts with torch's grouped_mm, which takes bf16 only: "
-                        f"use --precision bf16 (the weights are {workload.weight_dtype})")
-    if workload.quant != "none":
-        problems.append("quantized mixture-of-experts weights are not modelled (bitsandbytes quantizes Linear "
-                        "modules, not fused experts): use --quant none")
+    problems = transformers_moe_problems(spec, workload)
     if problems:
         raise InvalidWorkload(problems)
 

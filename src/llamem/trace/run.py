@@ -15,9 +15,12 @@ import warnings
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from llamem.analytic.attention_paths import attention_notes
 from llamem.model import ModelSpec
 from llamem.report import MemoryReport
 from llamem.trace.build import TORCH_DTYPES, build_meta_model, materialise
+from llamem.trace.liger_kernels import LIGER_NUM_SMS, liger_rope, patch_model
+from llamem.trace.padding import batch_inputs
 from llamem.trace.tracer import StorageTracer
 from llamem.workload import LOSS_CHUNKS, Workload
 
@@ -30,28 +33,8 @@ BNB_BLOCK = 256
 
 
 def trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None) -> MemoryReport:
-    if workload.compile:
-        return _in_fresh_process(spec, workload, teacher)
-    return trace_here(spec, workload, teacher)
-
-
-def _in_fresh_process(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None) -> MemoryReport:
-    """A compiled trace in a new Python process: in a process that has already traced other
-    workloads, AOT autograd's partition of the loss has come out different (larger, by up to 8 %)
-    than the same workload traced first; a fresh process gives the same bytes every time."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(trace_here, spec, workload, teacher).result()
-
-
-def trace_here(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None) -> MemoryReport:
-    """`trace` in this process."""
     warnings.filterwarnings("ignore")
-    # Python's cyclic collector runs after a count of allocations; starting every trace from a collected
-    # heap makes it run at the same moments whatever ran before in this process (a compiled graph's
-    # reference cycles otherwise free their tensors at history-dependent points).
+    # Start every trace from a collected heap: garbage an earlier trace left in cycles is not counted here.
     gc.collect()
     notes: list[str] = []
     if workload.task == "distill" and teacher is None:
@@ -64,7 +47,10 @@ def trace_here(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = 
     model = build_meta_model(spec, workload)
     teacher_model = build_meta_model(teacher, _teacher_workload(workload), dtype=torch.bfloat16) if teacher else None
     tracer = _compiled().CompiledTracer() if workload.compile else StorageTracer()
-    with FakeTensorMode(allow_non_fake_inputs=True), tracer, _recompute_labels(tracer):
+    if workload.liger:  # Liger's RMSNorm and SwiGLU (its loss and RoPE are swapped in where they run)
+        patch_model(model)
+    with (FakeTensorMode(allow_non_fake_inputs=True), tracer, _recompute_labels(tracer),
+          liger_rope(model, workload.liger)):
         model = _materialise(model, tracer, "weights")
         if teacher_model is not None:
             teacher_model = _materialise(teacher_model, tracer, "weights/teacher").eval()
@@ -73,6 +59,10 @@ def trace_here(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = 
             _compiled().compile_model(model, workload, tracer)
         else:
             label_by_module(model, tracer)
+        if workload.offload_activations:
+            from llamem.trace.offload import install_offload
+
+            install_offload(model, tracer)
         if workload.is_training:
             optimizer = make_optimizer(model, workload, notes, tracer)
             train_steps(model, teacher_model, optimizer, workload, spec, tracer)
@@ -83,16 +73,23 @@ def trace_here(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = 
     if workload.compile:
         notes += _compiled().compile_notes(tracer)
     if workload.liger:
-        notes.append("liger: Liger-Kernel's fused linear cross-entropy emulated byte for byte (its Triton kernels "
-                     "cannot run on a CPU); its RMSNorm, SwiGLU and RoPE kernels are not sized")
+        notes.append("liger: Liger-Kernel's fused linear cross-entropy, RMSNorm, SwiGLU and RoPE emulated byte for "
+                     f"byte (its Triton kernels cannot run on a CPU); RMSNorm's backward sized for {LIGER_NUM_SMS} SMs")
+    notes += attention_notes(workload)
     if workload.quant != "none":
         notes.append(f"{workload.quant} layers emulated with bitsandbytes' exact byte counts "
                      "(bitsandbytes cannot run on fake tensors)")
     if workload.task == "infer" and workload.kv_dtype != workload.compute_dtype:
         notes.append(f"KV cache traced in {workload.compute_dtype}: a {workload.kv_dtype} cache (QuantizedCache) needs "
                      "optimum-quanto or hqq; the analytic engine counts it")
+    extra = {"events": tracer, "num_events": len(tracer.events)}
+    if workload.offload_activations:
+        from llamem.analytic.offload import offload_note
+
+        extra["host_bytes"] = tracer.host_phase_peaks(phases)
+        notes.append(offload_note(extra["host_bytes"], "traced with save_on_cpu's copies"))
     return MemoryReport(model=spec, workload=workload, engine="trace", phases=tracer.phase_peaks(phases),
-                        notes=tuple(notes), extra={"events": tracer, "num_events": len(tracer.events)})
+                        notes=tuple(notes), extra=extra)
 
 
 def _compiled():
@@ -324,16 +321,17 @@ def _inputs(workload: Workload, spec: ModelSpec, tracer: StorageTracer, device: 
     return ids
 
 
-def _loss(model, teacher, ids, workload: Workload):
+def _loss(model, teacher, batch: dict, workload: Workload):
+    ids = batch["input_ids"]
     if workload.liger:
-        return _liger_loss(model, ids)
+        return _liger_loss(model, batch)
     if workload.loss == "chunked":
-        return _chunked_loss(model, ids)
+        return _chunked_loss(model, batch)
     if teacher is None:
-        return model(input_ids=ids, labels=ids).loss
+        return model(**batch, labels=ids).loss
     with torch.no_grad():
-        teacher_logits = teacher(input_ids=ids).logits
-    out = model(input_ids=ids, labels=ids)
+        teacher_logits = teacher(**batch).logits
+    out = model(**batch, labels=ids)
     return 0.5 * out.loss + 0.5 * _kl(out.logits, teacher_logits)
 
 
@@ -344,20 +342,21 @@ def _kl(student_logits, teacher_logits):
     return torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean")
 
 
-def _liger_loss(model, ids):
+def _liger_loss(model, batch: dict):
     """Liger's `lce_forward` in training: the decoder's hidden states go to the fused linear
     cross-entropy with the head's weight; no logits are returned."""
     from llamem.trace.build import liger_loss
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = base.model(input_ids=ids).last_hidden_state
-    return liger_loss(hidden, base.lm_head.weight, ids)
+    hidden = base.model(**batch).last_hidden_state
+    return liger_loss(hidden, base.lm_head.weight, batch["input_ids"])
 
 
-def _chunked_loss(model, ids):
+def _chunked_loss(model, batch: dict):
     """torchtune's CEWithChunkedOutputLoss: the head runs per chunk, each chunk upcast on its own."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = base.model(input_ids=ids).last_hidden_state
+    ids = batch["input_ids"]
+    hidden = base.model(**batch).last_hidden_state
     labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[..., 1:]
     total = 0.0
     for h_chunk, y_chunk in zip(hidden.chunk(LOSS_CHUNKS, dim=1), labels.chunk(LOSS_CHUNKS, dim=1)):
@@ -374,13 +373,13 @@ def train_steps(model, teacher, optimizer, workload: Workload, spec: ModelSpec, 
         # in place), so two stand for any number of accumulation steps.
         for _micro in range(min(workload.grad_accum, TRACED_MICRO_BATCHES)):
             tracer.phase = "forward" if step else "warmup"
-            ids = _inputs(workload, spec, tracer, device)
+            batch = batch_inputs(workload, spec, tracer, device)
             tracer.category = "activations"
             with _autocast(workload, device):
-                loss = _loss(model, teacher, ids, workload) / workload.grad_accum
+                loss = _loss(model, teacher, batch, workload) / workload.grad_accum
             tracer.phase, tracer.category = ("backward" if step else "warmup"), "logits"
             loss.backward()
-            del loss, ids
+            del loss, batch
             for param in trainable:
                 if param.grad is not None:
                     tracer.label(param.grad, "gradients")
@@ -390,6 +389,8 @@ def train_steps(model, teacher, optimizer, workload: Workload, spec: ModelSpec, 
         optimizer.step()
         label_optimizer_state(optimizer, tracer)
         optimizer.zero_grad(set_to_none=True)
+        if workload.compile and not step:  # the step that compiled: free what compiling pinned
+            _compiled().release_compile_cycles()
 
 
 def generate_steps(model, workload: Workload, spec: ModelSpec, tracer: StorageTracer, device: str = "cpu") -> None:

@@ -57,12 +57,20 @@ class StorageTracer(TorchDispatchMode):
         self.module = ""
         self.weight_record_ids: set[int] = set()
         self.stack: list[str] = []  # categories to return to when a module's forward ends
+        self.host = False
+        """Set while offloading copies a tensor to pinned host memory: counted apart from the device."""
+        self.host_live: set[int] = set()
+        self.host_live_bytes = 0
+        self.host_levels: list[tuple[int, str, int]] = []  # (device events before it, phase, host bytes after)
 
     # Allocation bookkeeping -------------------------------------------------------------
     def _track(self, tensor: torch.Tensor, category: str, op: str = "") -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
-        if key in self.live or storage.nbytes() == 0:
+        if key in self.live or key in self.host_live or storage.nbytes() == 0:
+            return
+        if self.host:
+            self._track_host(storage, key)
             return
         record_id = len(self.records)
         self.records.append(Record(rounded(storage.nbytes()), storage.nbytes(), category, self.phase, op or self.module))
@@ -77,6 +85,39 @@ class StorageTracer(TorchDispatchMode):
             del self.live[key]
         self.current_bytes -= self.records[record_id].size_bytes
         self.events.append(Event("free", record_id, self.phase))
+
+    def _track_host(self, storage, key: int) -> None:
+        """A pinned host block: torch's CachingHostAllocator rounds each to a power of two."""
+        from llamem.analytic.offload import host_block_bytes
+
+        size = host_block_bytes(storage.nbytes())
+        self.host_live.add(key)
+        self._host_change(size)
+        weakref.finalize(storage, self._free_host, key, size)
+
+    def _free_host(self, key: int, size: int) -> None:
+        self.host_live.discard(key)
+        self._host_change(-size)
+
+    def _host_change(self, size: int) -> None:
+        self.host_live_bytes += size
+        self.host_levels.append((len(self.events), self.phase, self.host_live_bytes))
+
+    def host_phase_peaks(self, phases: list[str]) -> dict[str, int]:
+        """For each phase, the most pinned host memory alive while it ran (host blocks made or freed in it,
+        and what was left from before while its device events happened)."""
+        peaks = {phase: 0 for phase in phases}
+        for _before, phase, level in self.host_levels:
+            if phase in peaks:
+                peaks[phase] = max(peaks[phase], level)
+        level, position, levels = 0, 0, self.host_levels
+        for index, event in enumerate(self.events):
+            while position < len(levels) and levels[position][0] <= index:
+                level = levels[position][2]
+                position += 1
+            if event.phase in peaks:
+                peaks[event.phase] = max(peaks[event.phase], level)
+        return peaks
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -46,10 +46,13 @@ def command(name: str) -> click.Command:
 
 
 def options(name: str) -> dict[str, click.Option]:
-    """The options a request may give to command `name`, by flag name without the dashes."""
+    """The options a request may give to command `name`, by flag name without the dashes. A server
+    launch (`--server` and its settings) is not one: the page draws a transformers workload's phases."""
+    from llamem.cli.serving import SERVER_ONLY
+
     found = {}
     for param in command(name).params:
-        if isinstance(param, click.Option):
+        if isinstance(param, click.Option) and param.name not in {"server", "concurrency", *SERVER_ONLY}:
             flag = max(param.opts, key=len).lstrip("-")
             if flag not in REFUSED:
                 found[flag] = param
