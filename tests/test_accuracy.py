@@ -40,8 +40,10 @@ LONG_CONTEXT = [
     ("debug", {}, dict(batch=2, seq=512, new_tokens=4, prefill_chunk=128)),
     ("llama-3.2-1b", {"num_hidden_layers": 2}, dict(batch=1, seq=2000, new_tokens=3, prefill_chunk=300)),
     ("mistral-7b", {"num_hidden_layers": 2, "sliding_window": 256}, dict(batch=1, seq=700, new_tokens=3)),
-    ("mistral-7b", {"num_hidden_layers": 2, "sliding_window": 256},
-     dict(batch=2, seq=700, new_tokens=300, prefill_chunk=200)),
+    # The row above at a quarter of the window, prompt, chunk and decode: a chunk below the window,
+    # a prompt past it, more new tokens than the window holds (a quarter of the decode steps to trace).
+    ("mistral-7b", {"num_hidden_layers": 2, "sliding_window": 64},
+     dict(batch=2, seq=175, new_tokens=75, prefill_chunk=50)),
 ]
 
 
@@ -62,10 +64,13 @@ def cli_json(capsys, *args):
     return json.loads(capsys.readouterr().out)
 
 
+# Two layers of the larger presets (layer 0 and a later one): the CLI path is the point here, the
+# depth is held to the trace by the quick matrix and the long-context rows.
 @pytest.mark.parametrize("args", [
     ("debug", "--task", "train"),
-    ("tinyllama-1.1b", "--task", "lora", "--batch", "1", "--seq", "1024"),
-    ("llama-3.2-1b", "--task", "infer", "--batch", "2", "--seq", "4096", "--new-tokens", "2"),
+    ("tinyllama-1.1b", "--override", "num_hidden_layers=2", "--task", "lora", "--batch", "1", "--seq", "1024"),
+    ("llama-3.2-1b", "--override", "num_hidden_layers=2", "--task", "infer", "--batch", "2", "--seq", "4096",
+     "--new-tokens", "2"),
 ])
 def test_trace_and_estimate_agree_through_the_cli(capsys, args):
     estimated = cli_json(capsys, "estimate", *args, "--json")

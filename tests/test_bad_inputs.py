@@ -766,3 +766,43 @@ def test_device_bytes_monotone_on_a_grid(task, batches, seqs):
             if (b2, s2) != (b, s) and b2 >= b and s2 >= s:
                 assert other >= value, (f"{task}: batch {b2} x seq {s2} takes {other} B, less than batch {b} x "
                                         f"seq {s} ({value} B)")
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--compile"], "--compile"),
+    (["--liger", "--padding-free", "--batch", "2"], "--padding-free"),
+])
+def test_plan_emit_refuses_a_technique_its_train_py_does_not_apply(flags, named, tmp_path):
+    """Not exit 3 blaming the heads and layers: the fixed technique is named, and nothing is written."""
+    run = run_cli(["plan", "debug", "--budget", "2GiB", "--seq", "16", "--precision", "bf16", "--optimizer", "adamw",
+                   *flags, "--emit", str(tmp_path / "bundle")])
+    assert run.code == 1 and named in run.stderr and "drop --emit" in run.stderr, run
+    assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--liger"], "--liger with a mixture of experts"),
+    (["--ac", "selective"], "--ac selective with a mixture of experts"),
+])
+def test_plan_of_experts_names_the_technique_the_engine_does_not_size(flags, named, tmp_path):
+    """As `estimate` does (exit 1, the flag named), not exit 3 blaming the heads and layers."""
+    config = tmp_path / "moe.json"
+    config.write_text(json.dumps({
+        "model_type": "mixtral", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "num_local_experts": 6, "num_experts_per_tok": 2}))
+    run = run_cli(["plan", "--config", str(config), "--budget", "2GiB", "--seq", "16", "--precision", "bf16",
+                   "--optimizer", "adamw", *flags])
+    assert run.code == 1 and named in run.stderr and "no layout" not in run.stderr, run
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--gpu", "t4", "--attn", "flash_attention_2"], "flash-attn 2 has kernels for Ampere or newer only, not t4"),
+    (["--gpu", "h100-80gb", "--gpus", "2", "--batch", "2", "--optimizer-in-backward", "--max-grad-norm", "0"],
+     "--optimizer-in-backward is sized on one GPU"),
+])
+def test_plan_names_a_setting_that_rules_out_the_cards(argv, named):
+    """flash_attention_2 on a Turing card was planned as if it ran; --optimizer-in-backward on 2 GPUs was
+    answered with exit 3 and the heads and layers blamed."""
+    run = run_cli(["plan", "debug", "--seq", "16", "--precision", "bf16", "--optimizer", "adamw", *argv])
+    assert run.code == 1 and named in run.stderr, run

@@ -28,10 +28,13 @@ def spec():
 
 def test_compiled_trace_keeps_what_the_partitioner_saves(spec):
     """The partitioner saves matmul outputs and recomputes the pointwise chains (norms, SiLU, the
-    fp32 upcast of the logits): the compiled step keeps less at the end of forward than eager."""
+    fp32 upcast of the logits): the compiled step keeps less at the end of forward than eager.
+    The analytic peak of the compiled bf16-mixed step is held to this trace (as `compare` does)."""
     mixed = dict(task="train", precision="bf16-mixed", optimizer="adamw", batch=1, seq=512)
     eager = trace(spec, build_workload(**mixed))
     compiled = trace(spec, build_workload(**mixed, compile=True))
+    peak_error = estimate(spec, compiled.workload).peak_allocated_bytes / compiled.peak_allocated_bytes - 1
+    assert abs(peak_error) <= 0.02, f"peak off by {100 * peak_error:+.2f}%"
     assert compiled.workload.compile and not eager.workload.compile
     assert compiled.phases["forward"]["activations"] < 0.75 * eager.phases["forward"]["activations"]
     assert compiled.phases["forward"]["logits"] < eager.phases["forward"]["logits"]
@@ -42,11 +45,11 @@ def test_compiled_trace_keeps_what_the_partitioner_saves(spec):
     assert any("partitioner" in note for note in compiled.notes)
 
 
+# bf16-mixed (batch 1 x 512) is held to its compiled trace in the partitioner test above.
 @pytest.mark.parametrize("options", [
-    dict(task="train", precision="bf16-mixed", optimizer="adamw", batch=1, seq=512),
     dict(task="train", precision="bf16", batch=2, seq=256),
     dict(task="lora", batch=2, seq=256),
-], ids=["bf16-mixed", "bf16", "lora"])
+], ids=["bf16", "lora"])
 def test_analytic_matches_the_compiled_trace(spec, options):
     result = compare(spec, build_workload(**options, compile=True))
     assert abs(result.peak_error) <= 0.02, f"peak off by {100 * result.peak_error:+.2f}%"

@@ -31,6 +31,10 @@ MiB = 2**20
 SEQ, VOCAB, CAPACITY = 128, 512, 64 * MiB
 EDGE = 32
 """The largest batch of two fp32 AdamW steps at 128 tokens within 64 MiB (bisection with real steps)."""
+SMALL_CAPACITY, SMALL_EDGE = 16 * MiB, 7
+"""The same within 16 MiB: where llamem is told how the step runs, the search is the same at a
+quarter of the batch (a quarter of the time); the wrong prediction keeps 64 MiB, where it errs by
+several samples, not one."""
 
 
 def _model():
@@ -79,35 +83,38 @@ def _runs(step, batch: int, steps: int = 2) -> bool:
     return not failed
 
 
-@pytest.fixture()
-def setup():
+def _setup(capacity_bytes: int):
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    with CpuMemoryTracker(CAPACITY, history=False) as tracker:
+    with CpuMemoryTracker(capacity_bytes, history=False) as tracker:
         tracker.track(model)
         yield model, optimizer, tracker
 
 
-def test_the_prediction_is_the_edge_in_one_probe(setup):
-    model, optimizer, tracker = setup
+@pytest.fixture()
+def setup():
+    yield from _setup(CAPACITY)
+
+
+@pytest.fixture()
+def small_setup():
+    yield from _setup(SMALL_CAPACITY)
+
+
+def test_the_prediction_is_the_edge_in_one_probe(small_setup):
+    """The global batch changes no probe, only the accumulation it is split into."""
+    model, optimizer, tracker = small_setup
     step = _step(model, optimizer)
-    result = find_batch_size(step, model=model, seq=SEQ, optimizer=optimizer, tracker=tracker, autocast_dtype="fp32")
-    assert (result.batch_size, result.predicted_batch) == (EDGE, EDGE)
-    assert result.probes == (Probe(EDGE, True, 65_916_928),)
-    assert result.figure == "allocated" and result.budget_bytes == CAPACITY
+    result = find_batch_size(step, model=model, seq=SEQ, optimizer=optimizer, tracker=tracker, autocast_dtype="fp32",
+                             global_batch=24)
+    assert (result.batch_size, result.predicted_batch) == (SMALL_EDGE, SMALL_EDGE)
+    assert (result.grad_accum, result.micro_batch) == (4, 6)
+    assert result.probes == (Probe(SMALL_EDGE, True, 15_753_728),)
+    assert result.figure == "allocated" and result.budget_bytes == SMALL_CAPACITY
     assert result.per_sample_bytes == 2_006_528
-    assert _runs(step, EDGE, steps=3)
+    assert _runs(step, SMALL_EDGE, steps=3)
     optimizer.state.clear()
-    assert not _runs(step, EDGE + 1)
-
-
-def test_nothing_of_a_probe_is_left_behind(setup):
-    model, optimizer, tracker = setup
-    before = tracker.live_bytes
-    find_batch_size(_step(model, optimizer), model=model, seq=SEQ, optimizer=optimizer, tracker=tracker)
-    gc.collect()
-    assert tracker.live_bytes == before
-    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+    assert not _runs(step, SMALL_EDGE + 1)
 
 
 def test_a_wrong_prediction_steps_down_by_the_overshoot(setup):
@@ -123,7 +130,8 @@ def test_a_wrong_prediction_steps_down_by_the_overshoot(setup):
     assert result.batch_size == EDGE
     assert any("autocast" in note for note in result.notes)
     gc.collect()
-    assert tracker.live_bytes == before  # the failed probes' frames were released
+    assert tracker.live_bytes == before  # nothing of a probe is left, the failed probes' frames included
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
     assert _runs(step, EDGE)
 
 
@@ -134,19 +142,12 @@ def test_running_out_of_probes_says_so(setup):
                         max_probes=2)
 
 
-def test_global_batch_gives_the_accumulation(setup):
-    model, optimizer, tracker = setup
+def test_max_batch_caps_the_search(small_setup):
+    model, optimizer, tracker = small_setup
     result = find_batch_size(_step(model, optimizer), model=model, seq=SEQ, optimizer=optimizer, tracker=tracker,
-                             autocast_dtype="fp32", global_batch=100)
-    assert (result.batch_size, result.grad_accum, result.micro_batch) == (EDGE, 4, 25)
-
-
-def test_max_batch_caps_the_search(setup):
-    model, optimizer, tracker = setup
-    result = find_batch_size(_step(model, optimizer), model=model, seq=SEQ, optimizer=optimizer, tracker=tracker,
-                             autocast_dtype="fp32", max_batch=20)
-    assert result.batch_size == 20 and len(result.probes) == 1
-    assert "capped at max_batch=20" in " ".join(result.notes)
+                             autocast_dtype="fp32", max_batch=4)
+    assert result.batch_size == 4 and len(result.probes) == 1
+    assert "capped at max_batch=4" in " ".join(result.notes)
 
 
 def test_the_decorator_reruns_after_an_oom_only(setup):
@@ -315,18 +316,18 @@ def test_a_kept_output_holds_its_logits_cache_and_loss(autocast, held, phases):
         assert measured["backward"] - predicted["backward"] == 7 * SEQ * VOCAB * 4
 
 
-def test_keeps_outputs_finds_the_edge_of_the_loop_that_keeps_them(setup):
-    """The Trainer-idiom edge (32) OOMs when the output is kept; with keeps_outputs the prediction
+def test_keeps_outputs_finds_the_edge_of_the_loop_that_keeps_them(small_setup):
+    """The Trainer-idiom edge (7) OOMs when the output is kept; with keeps_outputs the prediction
     is the kept loop's own edge, confirmed in one probe."""
-    model, optimizer, tracker = setup
+    model, optimizer, tracker = small_setup
     kept = {}
     step = _kept_step(model, optimizer, kept)
     result = find_batch_size(step, model=model, seq=SEQ, optimizer=optimizer, tracker=tracker, autocast_dtype="fp32",
                              keeps_outputs=True)
-    assert (result.batch_size, result.predicted_batch) == (28, 28)
-    assert result.probes == (Probe(28, True, 65_230_848),)
+    assert (result.batch_size, result.predicted_batch) == (6, 6)
+    assert result.probes == (Probe(6, True, 15_320_064),)
     assert "the step keeps the model's output through backward" in " ".join(result.notes)
-    for batch, fits in ((28, True), (29, False), (EDGE, False)):
+    for batch, fits in ((6, True), (SMALL_EDGE, False)):  # the kept edge + 1 is the Trainer-idiom edge
         kept.clear()
         optimizer.state.clear()
         model.zero_grad(set_to_none=True)

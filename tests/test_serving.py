@@ -178,3 +178,80 @@ def test_the_printed_reproduce_command_gives_the_plans_figures(capsys, server):
     for key in ("weights_bytes", "activation_peak_bytes", "kv_cache_bytes", "kv_cache_tokens", "max_concurrency"):
         assert again[key] == plan["report"][key], key
     assert again["command"] == plan["command"] and again["reproduce"] == plan["reproduce"]
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--ep", "2"], "--ep"),
+    (["--padding", "longest"], "--padding"),
+    (["--pad-fraction", "0.2"], "--pad-fraction"),
+    (["--padding-free"], "--padding-free"),
+    (["--offload-activations"], "--offload-activations"),
+])
+def test_training_layout_flags_are_refused_not_ignored(capsys, args, names):
+    code, _, err = run(capsys, "estimate", "tinyllama", "--task", "infer", "--server", "vllm", "--gpu", "h100-80gb",
+                       *args)
+    assert code == 2 and names in err and "do not apply with --server" in err
+
+
+@pytest.mark.parametrize("gpus", ["0", "-1"])
+def test_plan_with_no_gpus_names_the_flag(capsys, gpus):
+    code, _, err = run(capsys, "plan", "tinyllama", "--server", "vllm", "--gpu", "h100-80gb", "--concurrency", "4",
+                       "--seq", "512", "--gpus", gpus)
+    assert code == 1 and f"--gpus must be at least 1, got {gpus}" in err and "internal error" not in err
+
+
+def test_plan_with_zero_concurrency_says_at_least_1(capsys):
+    code, _, err = run(capsys, "plan", "tinyllama", "--server", "vllm", "--gpu", "h100-80gb", "--concurrency", "0",
+                       "--seq", "512")
+    assert code == 1 and "--concurrency and --seq must be at least 1" in err
+
+
+def test_reproduce_of_a_config_file_with_overrides_runs(capsys, tmp_path):
+    import shlex
+
+    config = tmp_path / "my config.json"
+    config.write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 256}))
+    code, out, _ = run(capsys, "estimate", "--config", str(config), "--override", "num_hidden_layers=1", "--task",
+                       "infer", "--server", "vllm", "--gpu", "h100-80gb", "--tp", "2", "--json")
+    first = json.loads(out)
+    assert code == 0 and f"--config {shlex.quote(str(config))} --override num_hidden_layers=1 " in first["reproduce"]
+    code, out, _ = run(capsys, *shlex.split(first["reproduce"])[1:], "--json")
+    again = json.loads(out)
+    assert code == 0
+    for key in ("weights_bytes", "kv_cache_bytes", "kv_cache_tokens", "max_concurrency", "reproduce"):
+        assert again[key] == first[key], key
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--quant", "fp8"], "--quant fp8 needs an Ampere or newer card, not t4"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 needs an Ampere or newer card, not t4"),
+])
+def test_fp8_on_a_turing_card_is_refused_as_the_planner_does(capsys, args, named):
+    code, _, err = run(capsys, "estimate", "tinyllama", "--task", "infer", "--server", "vllm", "--gpu", "t4", *args)
+    assert code == 1 and named in err
+
+
+def test_a_low_gpu_memory_utilization_is_named_in_the_advice(capsys):
+    code, _, err = run(capsys, "estimate", "tinyllama", "--task", "infer", "--server", "vllm", "--gpu", "t4",
+                       "--gpu-memory-utilization", "0.01")
+    assert code == 3 and "raise --tp or --gpu-memory-utilization, add --quant awq," in err
+
+
+def test_plan_in_fp32_gives_the_figures_of_its_reproduce_command(capsys):
+    code, out, _ = run(capsys, "plan", "tinyllama", "--server", "vllm", "--gpu", "h100-80gb", "--concurrency", "4",
+                       "--seq", "512", "--precision", "fp32", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["reproduce"].endswith(" --precision fp32")
+    code, out, _ = run(capsys, *plan["reproduce"].split()[1:], "--json")
+    again = json.loads(out)
+    assert code == 0 and plan["report"]["weights_bytes"] == again["weights_bytes"] >= 4 * 1100048384  # fp32
+    for key in ("kv_cache_bytes", "kv_cache_tokens", "max_concurrency"):
+        assert again[key] == plan["report"][key], key
+
+
+def test_plan_refuses_a_weight_format_it_would_not_use(capsys):
+    code, _, err = run(capsys, "plan", "tinyllama", "--server", "vllm", "--gpu", "h100-80gb", "--concurrency", "4",
+                       "--seq", "512", "--quant", "awq")
+    assert code == 2 and "--quant do not apply with --server" in err and "chooses the weight format" in err

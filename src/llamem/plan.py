@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from llamem.analytic.offload import host_peak_bytes, largest_saving_bytes
-from llamem.analytic.moe import moe_allows
+from llamem.analytic.moe import moe_allows, moe_problems
 from llamem.cost import step_seconds
 from llamem.device import device_memory
 from llamem.engine_precision import runs_as
@@ -38,8 +38,8 @@ from llamem.errors import DoesNotFit, InvalidWorkload, UsageError
 from llamem.gpus import GPU
 from llamem.model import ModelSpec
 from llamem.overhead import non_torch_bytes
-from llamem.parallel import (Layout, check_layout, expert_parallel_variants, fsdp2_problems, host_bytes,
-                             per_gpu_phases, shard_spec, with_engine)
+from llamem.parallel import (IN_BACKWARD_ONE_GPU, Layout, check_layout, expert_parallel_variants, fsdp2_problems,
+                             host_bytes, per_gpu_phases, shard_spec, with_engine)
 from llamem.techniques import (BY_NAME, LADDER_ORDER, LAYOUT_REASON, LAYOUT_TITLE, PREFILL_CHUNKS,
                                TRUNCATION_TIER, SearchContext, ac_settings, technique_variants, time_factor,
                                workload_args)
@@ -736,6 +736,9 @@ def make_plan(spec: ModelSpec, w: Workload, gpu: GPU, *, num_gpus: int = 1, host
     only the layouts that engine runs (`ENGINES`). `runnable`: only the configurations it accepts
     (`Space.runnable`)."""
     check_engine(engine, w)
+    if w.attn == "flash_attention_2" and not gpu.bf16:  # the bf16 flag marks Ampere and newer
+        raise InvalidWorkload([f"--attn flash_attention_2: flash-attn 2 has kernels for Ampere or newer only, not "
+                               f"{gpu.name}: use --attn sdpa, or another --gpu"])
     space = Space(spec=spec, gpu=gpu, host_budget_bytes=host_budget_bytes, teacher=teacher,
                   max_tier=0 if exact else 1, model_args=model_args, engine=engine, runnable=runnable)
     maximized, capped = None, False
@@ -787,6 +790,7 @@ def _search_counts(space: Space, w: Workload, num_gpus: int, max_gpus: int | Non
 def _assemble(space: Space, w: Workload, num_gpus: int, found: Found, maximized: dict | None) -> Plan:
     final = found.best or found.closest
     if final is None:
+        _refuse_fixed_settings(space, w, num_gpus)
         raise DoesNotFit(f"no configuration of {space.spec.name} can run on {num_gpus} x {space.gpu.name}: "
                          f"{_no_layout_reason(space, w, num_gpus)}")
     start = _start(space, w, num_gpus, final, maximized)
@@ -851,6 +855,21 @@ def _generation_notes(space: Space, final: Candidate) -> list[str]:
 
 DATA_PARALLEL_ENGINES = ("fsdp2", "deepspeed", "accelerate", "trainer")
 """Engines whose every layout replicates the model: each GPU is a data-parallel replica."""
+
+
+def _refuse_fixed_settings(space: Space, w: Workload, num_gpus: int) -> None:
+    """Where no configuration was tried: a setting of the workload that the search never drops and that rules
+    out every layout, named as `estimate` names it (exit 1), rather than blamed on the heads and layers."""
+    problems = list(moe_problems(space.spec, w))
+    if w.optimizer_in_backward and num_gpus > 1:
+        problems.append(IN_BACKWARD_ONE_GPU)
+    if space.runnable is not None:
+        from llamem.bundle.emit import unrun_settings  # the bundle owns what its train.py applies
+
+        if unrun := unrun_settings(w):
+            problems.append(f"--emit writes a train.py that does not apply {unrun}: drop --emit, or plan without it")
+    if problems:
+        raise InvalidWorkload(problems)
 
 
 def _no_layout_reason(space: Space, w: Workload, num_gpus: int) -> str:

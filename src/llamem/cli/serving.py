@@ -70,7 +70,9 @@ _INFER_ONLY = {"batch": "--batch", "seq": "--seq (use --max-model-len)", "new_to
                "ac_every": "--ac", "loss": "--loss", "liger": "--liger", "compile": "--compile",
                "optimizer": "--optimizer", "max_grad_norm": "--max-grad-norm",
                "optimizer_in_backward": "--optimizer-in-backward", "grad_accum": "--grad-accum",
-               "teacher": "--teacher", "teacher_quant": "--teacher-quant", "attn": "--attn"}
+               "teacher": "--teacher", "teacher_quant": "--teacher-quant", "attn": "--attn",
+               "offload_activations": "--offload-activations", "padding": "--padding",
+               "pad_fraction": "--pad-fraction", "padding_free": "--padding-free"}
 
 
 def _model_and_dtype(options: dict, allowed: tuple[str, ...] = ()):
@@ -98,9 +100,9 @@ def _model_and_dtype(options: dict, allowed: tuple[str, ...] = ()):
 
 
 _NOT_FOR_SERVERS = {
-    "estimate": ("pp", "sharding", "offload", "pp_schedule", "engine", "nodes", "gpus_per_node", "html_path"),
+    "estimate": ("pp", "ep", "sharding", "offload", "pp_schedule", "engine", "nodes", "gpus_per_node", "html_path"),
     "plan": ("budget", "min_gpus", "maximize", "host_memory", "verify", "exact", "no_truncation", "engine", "nodes",
-             "gpus_per_node", "html_path", "show_code", "emit_dir"),
+             "gpus_per_node", "html_path", "show_code", "emit_dir", "quant"),
 }
 
 
@@ -112,8 +114,9 @@ def _refuse_flags(command: str) -> None:
     given = [p.opts[0] for p in ctx.command.params if p.name in _NOT_FOR_SERVERS[command]
              and ctx.get_parameter_source(p.name) not in (None, ParameterSource.DEFAULT)]
     if given:
+        chooses = "; plan --server chooses the weight format itself" if command == "plan" else ""
         raise UsageError(f"{', '.join(given)} do not apply with --server (a server shards by --tp and replicates "
-                         "by --gpus): drop them")
+                         f"by --gpus{chooses}): drop them")
 
 
 def estimate_server(server: dict, *, options: dict, as_json: bool, gpus: int, tp: int) -> int:
@@ -164,13 +167,13 @@ def plan_server(server: dict, *, options: dict, as_json: bool, gpu_name: str | N
     from llamem.serving.plan import plan_does_not_fit, plan_serving
 
     _refuse_flags("plan")
-    if not gpu_name or not server["concurrency"] or options.get("seq") is None:
+    if not gpu_name or server["concurrency"] is None or options.get("seq") is None:
         raise UsageError("plan --server needs --gpu NAME, --concurrency C and --seq L (tokens per request)")
-    spec, _dtype = _model_and_dtype(options, allowed=("seq",))
+    spec, dtype_bytes = _model_and_dtype(options, allowed=("seq",))
     gpu = get_gpu(gpu_name)
     given = click.get_current_context().get_parameter_source("gpus") is not ParameterSource.DEFAULT
     plan = plan_serving(spec, server=server["server"], gpu=gpu, concurrency=server["concurrency"],
-                        seq=options["seq"], max_gpus=gpus if given else gpu.gpus_per_node)
+                        seq=options["seq"], max_gpus=gpus if given else gpu.gpus_per_node, dtype_bytes=dtype_bytes)
     if as_json:
         data = {"fits": plan.fits, "concurrency": plan.concurrency, "seq": plan.seq, "tried": plan.tried,
                 "command": plan.command, "reproduce": _reproduce(options, plan.report),

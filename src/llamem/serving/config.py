@@ -109,6 +109,12 @@ def _flag_problems(config: ServerConfig) -> list[str]:
                         f"{', '.join(SERVER_QUANTS)} with --server")
     if config.kv_cache_dtype not in KV_CACHE_DTYPES:
         problems.append(f"--kv-cache-dtype {config.kv_cache_dtype}: use auto or fp8")
+    # the planner's rule too: fp8 weights (vLLM's minimum capability 8.0, Marlin) and fp8 KV caches need Ampere+
+    fp8 = [flag for flag, value in (("--quant", config.quant), ("--kv-cache-dtype", config.kv_cache_dtype))
+           if value == "fp8"]
+    if fp8 and not config.gpu.bf16:
+        problems.append(f"{' and '.join(f'{flag} fp8' for flag in fp8)} need{'' if len(fp8) > 1 else 's'} an Ampere or newer card, not "
+                        f"{config.gpu.name}: use --quant awq or gptq and --kv-cache-dtype auto, or another --gpu")
     if config.version is not None and config.version not in VERSIONS[config.server]:
         problems.append(f"--server-version {config.version} is not modelled for {config.server}: use one of "
                         f"{', '.join(VERSIONS[config.server])}")

@@ -43,7 +43,8 @@ def tp_degrees(spec: ModelSpec, max_gpus: int) -> list[int]:
             if not spec.num_heads % tp and (not spec.num_kv_heads % tp or not tp % spec.num_kv_heads)]
 
 
-def candidates(spec: ModelSpec, server: str, gpu: GPU, concurrency: int, seq: int, max_gpus: int):
+def candidates(spec: ModelSpec, server: str, gpu: GPU, concurrency: int, seq: int, max_gpus: int,
+               dtype_bytes: int = 2):
     """Launches in cost order. vLLM refuses max_num_batched_tokens below max_num_seqs, so its chunk sizes
     start at the concurrency."""
     quant_ok = gpu.bf16  # fp8 weights (Marlin) and fp8 KV caches need Ampere or newer
@@ -55,20 +56,23 @@ def candidates(spec: ModelSpec, server: str, gpu: GPU, concurrency: int, seq: in
                 continue
             for batched in chunks:
                 yield ServerConfig(server=server, gpu=gpu, tp=tp, max_model_len=seq, max_num_seqs=concurrency,
-                                   max_num_batched_tokens=batched, kv_cache_dtype=kv, quant=quant)
+                                   max_num_batched_tokens=batched, kv_cache_dtype=kv, quant=quant,
+                                   dtype_bytes=dtype_bytes)
 
 
 def plan_serving(spec: ModelSpec, *, server: str, gpu: GPU, concurrency: int, seq: int,
-                 max_gpus: int) -> ServingPlan:
+                 max_gpus: int, dtype_bytes: int = 2) -> ServingPlan:
     """The first launch in cost order whose KV cache holds `concurrency` requests of `seq` tokens; when
     none does, the one that comes closest (fits=False)."""
     if concurrency < 1 or seq < 1:
         raise LlamemError("--concurrency and --seq must be at least 1")
+    if max_gpus < 1:
+        raise LlamemError(f"--gpus must be at least 1, got {max_gpus}")
     if seq > spec.max_position_embeddings:
         raise LlamemError(f"--seq {seq:,} is over the model's limit of {spec.max_position_embeddings:,} tokens "
                           f"(max_position_embeddings of {spec.name}): lower --seq")
     best, closest, tried = None, None, 0
-    for config in candidates(spec, server, gpu, concurrency, seq, max_gpus):
+    for config in candidates(spec, server, gpu, concurrency, seq, max_gpus, dtype_bytes):
         tried += 1
         try:
             report = serving_report(spec, config)
@@ -113,15 +117,15 @@ _ESTIMATE_FLAGS = {"tensor-parallel-size": "--tp", "tp": "--tp", "max-model-len"
 
 
 def estimate_command(model: str, r: ServingReport) -> str:
-    """The `llamem estimate --server` command that gives these figures, every setting spelled out."""
-    args = ["llamem", "estimate", model, "--task", "infer", "--server", r.server, "--gpu", r.gpu,
-            "--server-version", r.version]
+    """The `llamem estimate --server` command that gives these figures, every setting spelled out. `model`
+    is shell-ready already (a quoted name, or `--config PATH` and `--override` words)."""
+    args = ["--task", "infer", "--server", r.server, "--gpu", r.gpu, "--server-version", r.version]
     if r.replicas > 1:
         args += ["--gpus", str(r.replicas * r.tp)]
     for key, value in r.settings.items():
         if key in _ESTIMATE_FLAGS:
             args += [_ESTIMATE_FLAGS[key], str(value)]
-    return " ".join(shlex.quote(a) for a in args)
+    return " ".join(["llamem", "estimate", model] + [shlex.quote(a) for a in args])
 
 
 def launch_command(spec: ModelSpec, r: ServingReport) -> str:

@@ -125,5 +125,6 @@ def _does_not_fit(r: Resolved, budget: int, weights: int, per_token: int) -> Doe
         f"SGLang on {c.gpu.name} (--tp {c.tp}): --mem-fraction-static {r.memory_fraction} of the free memory gives "
         f"{format_gib(budget)}, the weights alone take {format_gib(weights)}, leaving no KV cache (SGLang stops with "
         f"\"Not enough memory\"); with one request of --max-model-len {r.max_model_len:,} it is short by "
-        f"{format_gib(need - budget)}: raise --tp or --mem-fraction-static, add --quant fp8 or awq, or use a "
+        f"{format_gib(need - budget)}: raise --tp or --mem-fraction-static, add --quant "
+        f"{'fp8 or awq' if c.gpu.bf16 else 'awq'}, or use a "
         "larger card", shortfall_bytes=need - budget)

@@ -157,10 +157,12 @@ def _does_not_fit(spec: ModelSpec, r: Resolved, budget: int, kv_bytes: int, one_
         used = budget - kv_bytes
         what = (f"{where}; weights, the profile run and non-torch memory take {format_gib(used)} of it and {need}: "
                 f"short by {format_gib(shortfall)}")
-        hint = "raise --tp, add --quant fp8 or awq, lower --max-num-batched-tokens, or use a larger card"
+        quant = "fp8 or awq" if c.gpu.bf16 else "awq"  # no fp8 before Ampere (`config_problems`)
+        hint = (f"raise --tp or --gpu-memory-utilization, add --quant {quant}, lower --max-num-batched-tokens, or "
+                "use a larger card")
     else:
         what = f"{where}; the KV cache gets {format_gib(kv_bytes)} and {need}: short by {format_gib(shortfall)}"
-        fp8 = ", add --kv-cache-dtype fp8" if c.kv_cache_dtype != "fp8" else ""
+        fp8 = ", add --kv-cache-dtype fp8" if c.kv_cache_dtype != "fp8" and c.gpu.bf16 else ""
         hint = (f"lower --max-model-len to at most {num_blocks * BLOCK_SIZE:,}{fp8}, or raise "
                 "--gpu-memory-utilization or --tp")
     return DoesNotFit(f"{what}; {hint}", shortfall_bytes=shortfall)
