@@ -3,6 +3,8 @@ analytic engine held to the trace (tiny shapes; the sweep is `benchmarks/accurac
 
 import functools
 
+import json
+
 import pytest
 
 pytest.importorskip("torch")
@@ -105,6 +107,20 @@ def test_cli_takes_the_new_options(capsys):
     assert main(["estimate", "debug", "--task", "lora", "--precision", "bf16", "--batch", "4", "--seq", "64",
                  "--padding-free"]) == 0
     assert "padding-free" in capsys.readouterr().out
+
+
+def test_pad_fraction_under_sdpa_says_it_changes_nothing(capsys):
+    args = ["estimate", "debug", "--task", "train", "--precision", "bf16", "--optimizer", "adamw", "--batch", "2",
+            "--seq", "128", "--padding", "longest"]
+    assert main([*args, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--pad-fraction", "0.25", "--json"]) == 0
+    padded = json.loads(capsys.readouterr().out)
+    assert padded["peak_allocated_bytes"] == plain["peak_allocated_bytes"]
+    assert any("--pad-fraction 0.25 does not change these figures: sdpa attention" in n for n in padded["notes"])
+    assert main(["estimate", "debug", "--task", "lora", "--precision", "bf16", "--batch", "1", "--seq", "64",
+                 "--padding-free"]) == 0
+    assert "1 sequence of 64 tokens" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("task, options", [

@@ -190,7 +190,7 @@ def test_the_printed_reproduce_command_gives_the_plans_figures(capsys, server):
 def test_training_layout_flags_are_refused_not_ignored(capsys, args, names):
     code, _, err = run(capsys, "estimate", "tinyllama", "--task", "infer", "--server", "vllm", "--gpu", "h100-80gb",
                        *args)
-    assert code == 2 and names in err and "do not apply with --server" in err
+    assert code == 2 and f"{names} does not apply with --server" in err and "drop it" in err
 
 
 @pytest.mark.parametrize("gpus", ["0", "-1"])
@@ -217,6 +217,8 @@ def test_reproduce_of_a_config_file_with_overrides_runs(capsys, tmp_path):
                        "infer", "--server", "vllm", "--gpu", "h100-80gb", "--tp", "2", "--json")
     first = json.loads(out)
     assert code == 0 and f"--config {shlex.quote(str(config))} --override num_hidden_layers=1 " in first["reproduce"]
+    # the server loads the checkpoint directory that holds the config, not the file
+    assert first["command"].startswith(f"vllm serve {shlex.quote(str(tmp_path))} ")
     code, out, _ = run(capsys, *shlex.split(first["reproduce"])[1:], "--json")
     again = json.loads(out)
     assert code == 0
@@ -254,4 +256,21 @@ def test_plan_in_fp32_gives_the_figures_of_its_reproduce_command(capsys):
 def test_plan_refuses_a_weight_format_it_would_not_use(capsys):
     code, _, err = run(capsys, "plan", "tinyllama", "--server", "vllm", "--gpu", "h100-80gb", "--concurrency", "4",
                        "--seq", "512", "--quant", "awq")
-    assert code == 2 and "--quant do not apply with --server" in err and "chooses the weight format" in err
+    assert code == 2 and "--quant does not apply with --server" in err and "chooses the weight format" in err
+
+
+def test_two_refused_flags_are_named_together(capsys):
+    code, _, err = run(capsys, "estimate", "tinyllama", "--task", "infer", "--server", "vllm", "--gpu", "h100-80gb",
+                       "--padding-free", "--offload-activations")
+    assert code == 2 and "--offload-activations, --padding-free do not apply with --server" in err and "drop them" in err
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--gpus", "0"], "--gpus must be at least 1, got 0"),
+    (["--max-model-len", "0"], "--max-model-len must be at least 1 token, got 0"),
+    (["--max-model-len", "4000000"], "--max-model-len 4,000,000 is over 2,048, the model's limit"),
+])
+def test_estimate_server_names_the_bound_a_setting_breaks(capsys, args, named):
+    code, _, err = run(capsys, "estimate", "tinyllama", "--task", "infer", "--server", "vllm", "--gpu", "h100-80gb",
+                       *args)
+    assert code == 1 and named in err and "replicas" not in err

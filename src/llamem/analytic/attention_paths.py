@@ -110,8 +110,12 @@ def attention_notes(w: Workload) -> list[str]:
     if w.padding == "longest" and w.attn == "flash_attention_2":
         notes.append(f"padding: {real_tokens(w):,} of {w.batch * w.seq:,} tokens are not padding "
                      f"(--pad-fraction {w.pad_fraction:g}); flash_attention_2 unpads them")
+    elif w.padding == "longest" and w.pad_fraction:
+        notes.append(f"padding: --pad-fraction {w.pad_fraction:g} does not change these figures: {w.attn} attention "
+                     f"computes every padded position of the {w.batch} x {w.seq} batch (only flash_attention_2 "
+                     "unpads)")
     if w.padding_free:
-        notes.append(f"padding-free: {w.batch} sequences of {w.seq} tokens packed into one row of "
+        notes.append(f"padding-free: {w.batch} sequence{'s' if w.batch != 1 else ''} of {w.seq} tokens packed into one row of "
                      f"{w.batch * w.seq:,} (position ids restart at each)")
     return notes
 

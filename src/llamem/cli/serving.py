@@ -88,7 +88,7 @@ def _model_and_dtype(options: dict, allowed: tuple[str, ...] = ()):
     extra = [flag for name, flag in _INFER_ONLY.items()
              if name not in allowed and ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)]
     if extra:
-        raise UsageError(f"{', '.join(extra)} do not apply with --server: drop them")
+        raise UsageError(f"{', '.join(extra)} {_do_not_apply(extra)} with --server: {_drop(extra)}")
     precision = options.get("precision") or "bf16"
     if precision not in ("bf16", "fp16", "fp32"):
         raise UsageError(f"--precision {precision}: a server runs bf16, fp16 or fp32 weights")
@@ -115,8 +115,16 @@ def _refuse_flags(command: str) -> None:
              and ctx.get_parameter_source(p.name) not in (None, ParameterSource.DEFAULT)]
     if given:
         chooses = "; plan --server chooses the weight format itself" if command == "plan" else ""
-        raise UsageError(f"{', '.join(given)} do not apply with --server (a server shards by --tp and replicates "
-                         f"by --gpus{chooses}): drop them")
+        raise UsageError(f"{', '.join(given)} {_do_not_apply(given)} with --server (a server shards by --tp and "
+                         f"replicates by --gpus{chooses}): {_drop(given)}")
+
+
+def _do_not_apply(flags: list[str]) -> str:
+    return "does not apply" if len(flags) == 1 else "do not apply"
+
+
+def _drop(flags: list[str]) -> str:
+    return "drop it" if len(flags) == 1 else "drop them"
 
 
 def estimate_server(server: dict, *, options: dict, as_json: bool, gpus: int, tp: int) -> int:

@@ -80,11 +80,15 @@ def config_problems(spec: ModelSpec, config: ServerConfig) -> list[str]:
         problems.append(f"--tp {tp} and the {spec.num_kv_heads} KV heads of {spec.name}: one must divide the "
                         "other (the servers shard or replicate whole KV heads); use a --tp that divides "
                         f"{spec.num_kv_heads} or a multiple of it")
-    if config.gpus is not None and (config.gpus < tp or config.gpus % tp):
+    if config.gpus is not None and config.gpus < 1:
+        problems.append(f"--gpus must be at least 1, got {config.gpus}")
+    elif config.gpus is not None and (config.gpus < tp or config.gpus % tp):
         problems.append(f"--gpus {config.gpus} is not a whole number of --tp {tp} replicas: use a multiple of {tp}")
     limit = spec.max_position_embeddings
-    if config.max_model_len is not None and not 1 <= config.max_model_len <= limit:
-        problems.append(f"--max-model-len {config.max_model_len} is outside 1..{limit:,}, the model's limit "
+    if config.max_model_len is not None and config.max_model_len < 1:
+        problems.append(f"--max-model-len must be at least 1 token, got {config.max_model_len}")
+    elif config.max_model_len is not None and config.max_model_len > limit:
+        problems.append(f"--max-model-len {config.max_model_len:,} is over {limit:,}, the model's limit "
                         f"(max_position_embeddings of {spec.name}): lower --max-model-len")
     return problems
 

@@ -130,7 +130,7 @@ def estimate_command(model: str, r: ServingReport) -> str:
 
 def launch_command(spec: ModelSpec, r: ServingReport) -> str:
     """The `vllm serve` / `python -m sglang.launch_server` line that applies the settings."""
-    model = spec.hf_id or spec.name
+    model = spec.hf_id or _checkpoint_dir(spec)
     quant = r.settings["quantization"]
     if quant in ("awq", "gptq"):
         model = f"<{quant.upper()} checkpoint of {model}>"
@@ -143,3 +143,12 @@ def launch_command(spec: ModelSpec, r: ServingReport) -> str:
         args = ["python", "-m", "sglang.launch_server", "--model-path", model] + [
             f"--{k}={v}" for k, v in shown.items() if (k, v) not in _DEFAULT_FLAGS]
     return " ".join(shlex.quote(a) for a in args)
+
+
+def _checkpoint_dir(spec: ModelSpec) -> str:
+    """A server loads a checkpoint directory, not a config file: a config.json read from disk stands for the
+    directory that holds it (with its weights)."""
+    from pathlib import Path
+
+    read_from_disk = spec.source.endswith(".json") and "://" not in spec.source
+    return str(Path(spec.source).parent) if read_from_disk else spec.name
