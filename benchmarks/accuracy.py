@@ -65,11 +65,36 @@ def matrix() -> list[tuple[str, dict]]:
     rows += selective_rows()
     rows += family_rows()
     rows += moe_rows()
+    rows += llama4_rows()
+    rows += moe_lora_rows()
     rows += optimizer_rows()
     rows += compile_rows()
     rows += padding_rows()
     rows += offload_rows()
+    rows += chunked_loss_rows()
+    rows += lora_chunked_rows()
     return rows
+
+
+def chunked_loss_rows() -> list[tuple[str, dict]]:
+    """The chunked loss without autocast (`analytic/logits.py`): fp32 (the head output is its own upcast);
+    16-bit with a frozen head, past one sequence (each chunk copied, the forward the peak); 16-bit with a
+    trained head, tied (the embedding's backward the peak) and untied."""
+    sgd, adamw = dict(optimizer="sgd", loss="chunked"), dict(optimizer="adamw", loss="chunked")
+    return [("debug", dict(task="train", precision="fp32", **sgd, batch=1, seq=1024)),
+            ("debug", dict(task="lora", precision="bf16", **adamw, batch=2, seq=512)),
+            ("tinyllama-1.1b", dict(task="train", precision="bf16", **sgd, batch=1, seq=256)),
+            ("llama-3.2-1b", dict(task="lora", precision="fp16", **adamw, batch=1, seq=256))]
+
+
+def lora_chunked_rows() -> list[tuple[str, dict]]:
+    """LoRA under autocast over fp32 weights with the chunked loss (`analytic/logits.py`, `weights.py`): the
+    frozen head cast again for each chunk; past one sequence (debug, the CI subset); tied, the loss's
+    backward the peak; checkpointed, only the head's casts and the adapters' outliving the layers."""
+    lora = dict(task="lora", precision="bf16-mixed", optimizer="adamw", loss="chunked")
+    return [("debug", dict(lora, batch=2, seq=256)),
+            ("llama-3.2-1b", dict(lora, batch=1, seq=1024)),
+            ("llama-3.1-8b", dict(lora, batch=1, seq=2048, ac_every=1))]
 
 
 def padding_rows() -> list[tuple[str, dict]]:
@@ -153,7 +178,40 @@ def compile_rows() -> list[tuple[str, dict]]:
         ("qwen3-8b", "train", dict(precision="bf16", optimizer="sgd", batch=2, seq=2048)),
         ("qwen3-8b", "lora", dict(batch=2, seq=1024)),
     )]
-    return [(model, {**options, "compile": True}) for model, options in rows]
+    return [(model, {**options, "compile": True}) for model, options in rows + compile_combo_rows()]
+
+
+def compile_combo_rows() -> list[tuple[str, dict]]:
+    """`--compile` with the optimizer step in backward: the whole model's graph (untied and tied heads),
+    the head's own graph under checkpointing, the chunked loss, adapters. Then with selective
+    checkpointing (torchtitan's per-op policy), every layer and every second one."""
+    return _compile_in_backward_rows() + compile_selective_rows()
+
+
+def compile_selective_rows() -> list[tuple[str, dict]]:
+    """`--compile` with `--ac selective` / `selective-every-2`: train and LoRA, bf16-mixed and bf16."""
+    every = {1: dict(ac_every=1, ac_mode="selective"), 2: dict(ac_every=2, ac_mode="selective")}
+    return [(m, dict(task=t, precision=p, optimizer="adamw", **every[k], batch=1, seq=s)) for m, t, p, k, s in (
+        ("llama-3.2-1b", "train", "bf16-mixed", 1, 1024),
+        ("llama-3.2-1b", "train", "bf16", 2, 1024),
+        ("tinyllama-1.1b", "train", "bf16-mixed", 1, 1024),
+        ("tinyllama-1.1b", "lora", "bf16-mixed", 1, 1024),
+        ("tinyllama-1.1b", "lora", "bf16", 2, 1024),
+        ("llama-3.1-8b", "lora", "bf16-mixed", 1, 1024),
+        ("llama-3.1-8b", "train", "bf16", 1, 512),
+    )]
+
+
+def _compile_in_backward_rows() -> list[tuple[str, dict]]:
+    in_backward = dict(optimizer="adamw", optimizer_in_backward=True)
+    return [(m, dict(task=t, **o, **in_backward)) for m, t, o in (
+        ("tinyllama-1.1b", "train", dict(precision="bf16", batch=1, seq=1024)),
+        ("tinyllama-1.1b", "train", dict(precision="bf16-mixed", ac_every=1, batch=1, seq=1024)),
+        ("llama-3.2-1b", "train", dict(precision="bf16", ac_every=1, batch=1, seq=1024)),
+        ("llama-3.2-1b", "train", dict(precision="bf16-mixed", loss="chunked", batch=1, seq=1024)),
+        ("llama-2-7b", "train", dict(precision="bf16-mixed", batch=1, seq=512)),
+        ("llama-3.1-8b", "lora", dict(precision="bf16", batch=1, seq=1024)),
+    )]
 
 
 def optimizer_rows() -> list[tuple[str, dict]]:
@@ -254,6 +312,59 @@ def moe_rows() -> list[tuple[str, dict]]:
     return rows
 
 
+def moe_lora_rows() -> list[tuple[str, dict]]:
+    """LoRA on the fused 3-D experts (peft's target_parameters, `analytic/moe_lora.py`): each forward
+    materialises the adapted expert weights, which autograd keeps to backward; with and without
+    checkpointing, with attention adapters and alone (layer 0's input then needs no gradient), and a
+    Qwen3-MoE whose dense layer 0 has no experts to adapt."""
+    experts = ("q_proj", "v_proj", "experts")
+    lora = dict(task="lora", precision="bf16", optimizer="adamw")
+    return [("mixtral-8x7b", dict(**lora, lora_targets=experts, batch=1, seq=1024)),
+            ("mixtral-8x7b", dict(**lora, lora_targets=experts, ac_every=1, batch=2, seq=1024)),
+            ("mixtral-8x7b", dict(**lora, lora_targets=("experts",), batch=1, seq=512)),
+            ("qwen3-30b-a3b", dict(**lora, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "experts"),
+                                   lora_rank=16, batch=2, seq=1024)),
+            ("qwen3-30b-a3b", dict(**lora, lora_targets=experts, ac_every=1, batch=1, seq=2048)),
+            ("qwen3-30b-a3b-dense-first", dict(**lora, lora_targets=experts, batch=2, seq=512))]
+
+
+# Llama 4, 4 layers each: Scout's layer 3 and Maverick's are NoPE (global attention, temperature tuning), the others
+# chunked RoPE layers with L2 q/k norms (Scout); Maverick's layers 1 and 3 are mixtures of 128 experts, 0 and 2
+# dense. The -chunk256 variant cuts the chunk so that training sequences run past it (materialised masks).
+LLAMA4_MODELS = {
+    "llama-4-scout-17b-16e": {"num_hidden_layers": 4},
+    "llama-4-maverick-17b-128e": {"num_hidden_layers": 4},
+    "llama-4-scout-17b-16e-chunk256": {"num_hidden_layers": 4, "attention_chunk_size": 256},
+}
+
+
+def llama4_rows() -> list[tuple[str, dict]]:
+    """Llama 4 (`analytic/llama4.py`): every expert sees every token, so its blocks' E x T tensors make the
+    forward's and the backward's worst moments inside them (`llama4_moments.py`); full and LoRA training, in
+    bf16 and bf16-mixed, checkpointed, accumulated, with the chunked loss, and generation, also past the
+    attention chunk (256 tokens on the -chunk256 variant): the chunked layers' windowed caches and masks."""
+    scout, maverick, chunk256 = "llama-4-scout-17b-16e", "llama-4-maverick-17b-128e", "llama-4-scout-17b-16e-chunk256"
+    return [
+        (scout, dict(task="train", precision="bf16", optimizer="sgd", batch=1, seq=1024)),
+        (scout, dict(task="train", precision="bf16-mixed", optimizer="sgd", batch=1, seq=1024)),
+        (scout, dict(task="lora", precision="bf16", optimizer="adamw", batch=1, seq=2048)),
+        (scout, dict(task="lora", precision="bf16", optimizer="adamw", ac_every=1, batch=1, seq=4096)),
+        (scout, dict(task="lora", precision="bf16", optimizer="adamw", lora_rank=16,
+                     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), batch=1, seq=1024)),
+        (scout, dict(task="train", precision="bf16-mixed", optimizer="adamw", loss="chunked", batch=1, seq=1024)),
+        (scout, dict(task="infer", precision="bf16", batch=2, seq=1024, new_tokens=4)),
+        ("llama-4-scout-17b-16e-chunk256", dict(task="lora", precision="bf16", optimizer="adamw", batch=1, seq=1024)),
+        (maverick, dict(task="lora", precision="bf16", optimizer="adamw", batch=1, seq=1024)),
+        (maverick, dict(task="train", precision="bf16", optimizer="sgd", ac_every=1, batch=1, seq=1024)),
+        (maverick, dict(task="train", precision="bf16-mixed", optimizer="sgd", batch=1, seq=1024)),
+        (maverick, dict(task="train", precision="bf16", optimizer="adamw", grad_accum=2, batch=1, seq=512)),
+        (maverick, dict(task="infer", precision="bf16", batch=1, seq=1000, new_tokens=3, prefill_chunk=300)),
+        (chunk256, dict(task="infer", precision="bf16", batch=1, seq=240, new_tokens=20)),
+        (chunk256, dict(task="infer", precision="bf16", batch=2, seq=600, new_tokens=4)),
+        (chunk256, dict(task="infer", precision="bf16", batch=1, seq=700, new_tokens=3, prefill_chunk=300)),
+    ]
+
+
 def selective_rows() -> list[tuple[str, dict]]:
     """Selective activation checkpointing (torchtitan's per-op policy) on every layer and on every 2nd
     (with 2 layers: layer 0 selective, layer 1 whole), at shapes where activations make the backward
@@ -343,6 +454,8 @@ def _reduced_model(model: str):
         return load_model(model, overrides=MODELS[model])
     if model in FAMILY_MODELS:
         return load_model(model, overrides=FAMILY_MODELS[model])
+    if model in LLAMA4_MODELS:
+        return load_model(model.removesuffix("-chunk256"), overrides=LLAMA4_MODELS[model])
     return load_model(model.removesuffix("-dense-first"), overrides=MOE_MODELS[model])
 
 

@@ -39,8 +39,9 @@ def test_tensor_parallel_bundle_runs_on_two_ranks(config_path, tmp_path):
     estimate = plan.final.allocated_bytes
     for rank in (0, 1):
         assert ranks[rank]["wrapped"] == shards + 5 * NORM_BYTES + ROPE_BUFFERS_BYTES + mesh_bytes
-        # Measured 1,473,536 against 1,417,216 (+4.0 %): the optimizer phase, see the bundle's README.
-        assert estimate <= ranks[rank]["peak"] <= 1.05 * estimate
+        # Peak in the optimizer step, with DTensor's whole-vocabulary embedding gradient (estimate 1,482,752;
+        # 1,417,216 before it was counted, 4 % low).
+        assert abs(ranks[rank]["peak"] - estimate) <= 0.01 * estimate
     assert ranks[0]["loss"] == ranks[1]["loss"]  # one replica: both ranks see the same batch and loss
 
 

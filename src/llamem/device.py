@@ -11,6 +11,10 @@
   fragmentation of that shape.
 - `non_torch_bytes`: the CUDA context and, with several GPUs, NCCL (`llamem.overhead`).
 
+On several GPUs the schedule is the rank's own where `llamem.analytic.schedule_ranks` builds one (DDP's
+buckets, FSDP2's per-unit all-gathers, reshards and reduce-scatters, tensor parallel's all-reduced copies);
+other layouts replay the single-GPU schedule of the GPU's share of the model (`rank_layout` tells which).
+
 Monotone by construction. The smallest card of one exact shape is not monotone in batch or
 sequence length: how freed blocks line up with later requests changes from shape to shape (the
 simulator finds 8B full fine-tuning at batch 3 needing 9 GiB more than at batch 4, and traces
@@ -40,10 +44,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from llamem.model import ModelSpec
 from llamem.overhead import non_torch_bytes
 from llamem.workload import Workload
+
+if TYPE_CHECKING:  # llamem.parallel imports the engine, whose report imports this module
+    from llamem.parallel import Layout
 
 MIN_PROBE_SEQ = 512
 """The smallest probe: shorter shapes are probed at 512 tokens, which fragments at least as much
@@ -108,19 +116,29 @@ def probe_shapes(w: Workload) -> list[tuple[int, int]]:
     return sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape))
 
 
-def fragmentation_bytes(spec: ModelSpec, w: Workload) -> int:
+def rank_layout(spec: ModelSpec, w: Workload, layout: Layout | None) -> Layout | None:
+    """The layout naming the schedule a rank of `layout` replays (`llamem.analytic.schedule_ranks.
+    schedule_layout`: DDP, FSDP2's ZeRO-3, tensor parallel), or None: the single-GPU schedule (one GPU, or a
+    layout without a rank schedule yet)."""
+    from llamem.analytic.schedule_ranks import schedule_layout
+
+    return schedule_layout(spec, w, layout) if layout is not None else None
+
+
+def fragmentation_bytes(spec: ModelSpec, w: Workload, layout: Layout | None = None) -> int:
     """The monotone fragmentation allowance of this configuration at this shape (see the module)."""
     canonical = dataclasses.replace(w, batch=1, seq=MIN_PROBE_SEQ)
-    return _envelope(spec, canonical, tuple(probe_shapes(w)))
+    return _envelope(spec, canonical, tuple(probe_shapes(w)), rank_layout(spec, w, layout))
 
 
 @lru_cache(maxsize=PROBE_CACHE_SIZE)
-def _envelope(spec: ModelSpec, canonical: Workload, shapes: tuple[tuple[int, int], ...]) -> int:
+def _envelope(spec: ModelSpec, canonical: Workload, shapes: tuple[tuple[int, int], ...],
+              layout: Layout | None = None) -> int:
     """The largest fragmentation over the probes, without searching every probe to the end: the
     largest probe first, then each smaller one only as far as needed to know whether it stays
     within the largest found so far. The searches are the same whoever drives them
     (`SmallestCardSearch`), so this is the exact maximum of the probes' own figures."""
-    probes = [_search(spec, dataclasses.replace(canonical, batch=b, seq=s)) for b, s in shapes]
+    probes = [_search(spec, dataclasses.replace(canonical, batch=b, seq=s), layout) for b, s in shapes]
     largest = probes[-1]
     largest.finish()
     found = largest.high - largest.allocated
@@ -132,33 +150,36 @@ def _envelope(spec: ModelSpec, canonical: Workload, shapes: tuple[tuple[int, int
 
 
 @lru_cache(maxsize=SEARCH_CACHE_SIZE)
-def _search(spec: ModelSpec, w: Workload):
+def _search(spec: ModelSpec, w: Workload, layout: Layout | None = None):
     """One probe's smallest-card search, kept (part-done or done) for every later question."""
     from llamem.allocator.replay import SmallestCardSearch
 
-    return SmallestCardSearch(probe_events(spec, w)[0])
+    return SmallestCardSearch(probe_events(spec, w, layout)[0])
 
 
 @lru_cache(maxsize=EVENTS_CACHE_SIZE)
-def probe_events(spec: ModelSpec, w: Workload) -> tuple[list, int]:
-    """A probe's allocation schedule and its peak allocated bytes (kept for the probes in use)."""
+def probe_events(spec: ModelSpec, w: Workload, layout: Layout | None = None) -> tuple[list, int]:
+    """A probe's allocation schedule (a rank's own under `layout`, see `rank_layout`) and its peak
+    allocated bytes (kept for the probes in use)."""
     from llamem.allocator.replay import peak_allocated_bytes
     from llamem.analytic.schedule import schedule
+    from llamem.analytic.schedule_ranks import rank_schedule
 
-    events = schedule(spec, w)
+    events = rank_schedule(spec, w, layout) if layout is not None else schedule(spec, w)
     return events, peak_allocated_bytes(events)
 
 
-def probe_fragmentation(spec: ModelSpec, w: Workload) -> int:
+def probe_fragmentation(spec: ModelSpec, w: Workload, layout: Layout | None = None) -> int:
     """Reserved minus allocated on the smallest card this exact shape's schedule replays on."""
-    search = _search(spec, w)
+    search = _search(spec, w, rank_layout(spec, w, layout))
     search.finish()
     return max(search.high - search.allocated, 0)
 
 
-def exact_shape_reserved_bytes(spec: ModelSpec, w: Workload, peak_allocated_bytes: int) -> int:
+def exact_shape_reserved_bytes(spec: ModelSpec, w: Workload, peak_allocated_bytes: int,
+                               layout: Layout | None = None) -> int:
     """This exact shape's own fragmentation added to the engine's peak allocated bytes."""
-    return peak_allocated_bytes + probe_fragmentation(spec, w)
+    return peak_allocated_bytes + probe_fragmentation(spec, w, layout)
 
 
 def unlimited_card_reserved_bytes(spec: ModelSpec, w: Workload, peak_allocated_bytes: int) -> int:
@@ -176,13 +197,15 @@ def _unlimited_fragmentation(spec: ModelSpec, w: Workload) -> int:
 
 
 def device_memory(spec: ModelSpec, w: Workload, peak_allocated_bytes: int, *, num_gpus: int = 1,
-                  exact_shape: bool = False, unlimited: bool = False) -> DeviceMemory:
+                  exact_shape: bool = False, unlimited: bool = False, layout: Layout | None = None) -> DeviceMemory:
     """`spec` is the part of the model one GPU holds (`llamem.parallel.shard_spec`); the allowance
-    comes from that GPU's single-device schedule, which keeps whole model states where ZeRO would
-    shard them, so it errs on the large side for sharded layouts."""
+    comes from the schedule of one rank of `layout` where `rank_layout` builds one, else from that
+    GPU's single-device schedule, which keeps whole model states where ZeRO would shard them and
+    has none of the engine's buffers, so it errs on the large side for sharded layouts."""
     overhead = non_torch_bytes(num_gpus)
-    exact = exact_shape_reserved_bytes(spec, w, peak_allocated_bytes) + overhead if exact_shape else None
-    return DeviceMemory(peak_allocated_bytes=peak_allocated_bytes, fragmentation_bytes=fragmentation_bytes(spec, w),
+    exact = exact_shape_reserved_bytes(spec, w, peak_allocated_bytes, layout) + overhead if exact_shape else None
+    return DeviceMemory(peak_allocated_bytes=peak_allocated_bytes,
+                        fragmentation_bytes=fragmentation_bytes(spec, w, layout),
                         non_torch_bytes=overhead, exact_shape_device_bytes=exact,
                         unlimited_card_reserved_bytes=(unlimited_card_reserved_bytes(spec, w, peak_allocated_bytes)
                                                        if unlimited else None))

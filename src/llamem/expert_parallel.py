@@ -59,6 +59,9 @@ def expert_parallel_problems(spec: ModelSpec, layout: Layout) -> list[str]:
     if not spec.is_moe:
         return [f"expert parallel {ep}: {spec.name} has no experts (a dense model): drop --ep"]
     problems = []
+    if spec.model_type == "llama4_text":  # every expert sees every token: its E-wide activations are not divided
+        problems.append(f"expert parallel {ep}: {spec.name}'s transformers code runs every expert on every token, "
+                        "and its expert-wide activations are not sized per expert group: drop --ep")
     if spec.num_experts % ep:
         problems.append(f"expert parallel {ep} does not divide {spec.name}'s {spec.num_experts} experts: choose a "
                         "divisor of it")

@@ -14,8 +14,9 @@ tests): with bf16 mixed precision
   for both stages), ZeRO-3 keeps 4 x largest layer + 2P/N; parameter offload (ZeRO-3) keeps
   4 x largest layer. The host holds, per node, what DeepSpeed's estimators say (x1.5 buffers,
   its additional_buffer_factor): ZeRO-1/2 max(4N, 16) P, ZeRO-3 16 P (18 P with parameters).
-Frozen weights (LoRA/QLoRA, inference, a distillation teacher) are replicated, or sharded by
-ZeRO-3; tensor and pipeline parallelism split a teacher like the student.
+Frozen weights (LoRA/QLoRA, inference) are replicated, or sharded by ZeRO-3; a distillation
+teacher is placed as `llamem.teacher_placement` says (replicated, or sharded with FSDP2 on its own,
+or as the layout implies); tensor and pipeline parallelism split a teacher like the student.
 
 With `engine="fsdp2"` (`Fsdp2Layout`) ZeRO-3 is sized as torch FSDP2 runs it (`fully_shard` per
 decoder layer, the embedding, the final norm with the head, the root): `fsdp2_phases`, whose
@@ -23,8 +24,10 @@ docstring derives each term from torch's source.
 
 Tensor parallel t divides heads, KV heads, the MLP width and the vocabulary by t
 (Megatron-style column/row splits, vocabulary-parallel loss); norms and the residual stream
-are replicated. Pipeline parallel p gives a stage ceil(L/p) layers; the first stage keeps
-the activations of p micro-batches in flight with 1F1B, of all M with GPipe.
+are replicated. Pipeline parallel training sizes every stage as it runs (`llamem.pipeline_stages`: its
+layers, the embedding on the first, the head and loss on the last, min(p - s, M) micro-batches in flight
+on stage s with 1F1B, all M with GPipe, the receive buffers and kept outputs) and reports the busiest;
+a generation's layer split is sized as ceil(L/p) layers with the embedding and the head both.
 """
 
 from __future__ import annotations
@@ -32,18 +35,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar, Literal
 
 from llamem.analytic import estimate
 from llamem.analytic.activations import (checkpoint_mask_bytes, is_checkpointed, layer_saved_bytes, rope_bytes,
                                          stream_bytes, training_activations)
-from llamem.analytic.common import add_breakdowns, r512
+from llamem.analytic.common import add_breakdowns, r512, trains_base_weights
 from llamem.analytic.logits import training_logits
 from llamem.analytic.weights import rope_buffer_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.errors import InvalidWorkload
 from llamem.expert_parallel import expert_parallel_phases, expert_parallel_problems
-from llamem.model import ModelSpec
+from llamem.expert_parallel_engines import transformers_ep_phases
+from llamem.model import ModelSpec, load_model
+from llamem.pipeline_stages import (add_pipeline_buffers, in_flight, schedule_in_flight, stage_positions, stage_spec,
+                                    trim_stage, vocab_state)
+from llamem.teacher_placement import place_teacher, placement_problems, whole_teacher_bytes
 from llamem.workload import Workload, with_changes
 
 Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3"]
@@ -151,15 +159,22 @@ def shard_spec(spec: ModelSpec, layout: Layout) -> ModelSpec:
 
 
 def _shard_spec(spec: ModelSpec, layout: Layout) -> ModelSpec:
-    t, num_layers = layout.tp, -(-spec.num_layers // layout.pp)
-    # Experts split their width like the MLP (transformers' tp_plan: packed_colwise gate_up, rowwise down);
-    # the first stage holds the first layers, and of the mixture-of-experts layers those among them.
+    """The first pipeline stage's share (ceil(L / p) layers, the most of any stage) of a tensor shard; it
+    still counts the embedding and the head, which `pipeline_phases` places on the end stages."""
+    return stage_spec(tensor_shard(spec, layout.tp), spec.num_layers, layout.pp, 0)
+
+
+@lru_cache(maxsize=4096)
+def tensor_shard(spec: ModelSpec, t: int) -> ModelSpec:
+    """One tensor-parallel rank's part of every layer. Experts split their width like the MLP (transformers'
+    tp_plan: packed_colwise gate_up, rowwise down)."""
+    if t == 1:
+        return spec
     return dataclasses.replace(
         spec, num_heads=spec.num_heads // t, num_kv_heads=max(spec.num_kv_heads // t, 1),
         intermediate_size=-(-spec.intermediate_size // t), vocab_size=-(-spec.vocab_size // t),
         moe_intermediate_size=-(-spec.moe_intermediate_size // t),
-        shared_expert_intermediate_size=-(-spec.shared_expert_intermediate_size // t),
-        moe_layers=tuple(i for i in spec.moe_layers if i < num_layers), num_layers=num_layers, name=spec.name)
+        shared_expert_intermediate_size=-(-spec.shared_expert_intermediate_size // t), name=spec.name)
 
 
 def check_layout(spec: ModelSpec, layout: Layout) -> list[str]:
@@ -210,9 +225,9 @@ def make_layout(spec: ModelSpec, w: Workload, *, gpus: int = 1, tp: int = 1, pp:
                     microbatches=w.grad_accum if pp > 1 else 1)
     if ep != 1:
         layout = expert_parallel(layout, ep)
-    problems = check_layout(spec, layout) + (["--ep with --engine fsdp2: expert parallelism is sized with "
-                                              "DeepSpeed's accounting; drop --engine fsdp2"]
-                                             if ep != 1 and engine == "fsdp2" else [])
+    problems = check_layout(spec, layout) + placement_problems(w, dp)
+    problems += (["--ep with --engine fsdp2: expert parallelism is sized with DeepSpeed's accounting; drop "
+                  "--engine fsdp2"] if ep != 1 and engine == "fsdp2" else [])
     if problems:
         raise InvalidWorkload(problems)
     return with_engine(layout, engine) if engine != "deepspeed" else layout
@@ -229,7 +244,8 @@ def fsdp2_problems(w: Workload, *, tp: int, pp: int, sharding: str | None, offlo
     if offload != "none":
         problems.append("--engine fsdp2 sizes no offload: drop --offload, or drop --engine fsdp2 (DeepSpeed's "
                         "ZeRO-Offload)")
-    if w.task != "train":
+    if w.task not in ("train", "distill"):
+        # (distillation is full fine-tuning of the student, beside its frozen teacher)
         problems.append(f"--engine fsdp2 sizes full fine-tuning (--task train) for now: drop --engine fsdp2 for "
                         f"--task {w.task}")
     if w.optimizer not in ("adamw", "adamw-fused", "sgd"):
@@ -286,14 +302,38 @@ def host_bytes(layout: Layout, trainable: int, gpus_on_host: int) -> int:
 def per_gpu_phases(spec: ModelSpec, w: Workload, layout: Layout,
                    teacher: ModelSpec | None = None) -> dict[str, dict[str, int]]:
     """Phase breakdowns for the busiest GPU of the layout. A teacher is split by tensor and pipeline
-    parallelism like the student (its vocabulary is checked before either is split)."""
+    parallelism like the student (its vocabulary is checked before either is split); a distillation's
+    teacher not given is loaded by its name, as the analytic engine does."""
+    if teacher is None and w.task == "distill":
+        teacher = load_model(w.teacher)
     check_teacher(spec, teacher)
     if layout.engine == "fsdp2":
-        return fsdp2_phases(spec, w, layout)
+        return fsdp2_phases(spec, w, layout, teacher)
+    if layout.pp > 1 and w.is_training:
+        return pipeline_phases(spec, w, layout, teacher)[1]
     local = shard_spec(spec, layout)
     local_teacher = shard_spec(teacher, layout) if teacher is not None else None
     phases = apply_data_parallel(local_phases(local, w, layout, local_teacher), local, w, layout, local_teacher)
-    return expert_parallel_phases(phases, local, w, layout)
+    add_whole_embedding_gradient(phases, spec, w, layout)
+    return transformers_ep_phases(expert_parallel_phases(phases, local, w, layout), phases, local, w, layout)
+
+
+def add_whole_embedding_gradient(phases: dict[str, dict[str, int]], spec: ModelSpec, w: Workload,
+                                 layout: Layout) -> None:
+    """torch's tensor parallel splits the embedding over the vocabulary, but DTensor has no vocabulary-split
+    strategy for its backward (torch 2.13 `embedding_dense_backward_strategy`): every rank computes the
+    whole V x h gradient, and its shard is a view of it, alive from the embedding's backward (the end of
+    backward) to `zero_grad` (through every micro-batch under accumulation). Measured on 2 CPU ranks of
+    the tensor-parallel bundle: the rank's peak in the optimizer step, 4.5 % above the estimate without it."""
+    if layout.tp == 1 or layout.pp > 1 or not trains_base_weights(w) or spec.tie_word_embeddings \
+            or layout.sharding not in ("none", "ddp"):
+        return
+    grad_bytes = DTYPE_BYTES[w.weight_dtype]
+    shard = r512(grad_bytes * -(-spec.vocab_size // layout.tp) * spec.hidden_size)
+    extra = r512(grad_bytes * spec.vocab_size * spec.hidden_size) - shard
+    for name in ("forward", "backward", "optimizer") if w.grad_accum > 1 else ("optimizer",):
+        if name in phases:
+            phases[name]["gradients"] = phases[name].get("gradients", 0) + extra
 
 
 def check_teacher(spec: ModelSpec, teacher: ModelSpec | None) -> None:
@@ -304,26 +344,63 @@ def check_teacher(spec: ModelSpec, teacher: ModelSpec | None) -> None:
 
 def local_phases(local: ModelSpec, w: Workload, layout: Layout,
                  teacher: ModelSpec | None = None) -> dict[str, dict[str, int]]:
-    """One GPU's share under tensor and pipeline parallelism, before data-parallel sharding."""
-    phases = {name: dict(b) for name, b in estimate(local, w, teacher).phases.items()}
-    if layout.pp > 1:
-        in_flight = min(layout.pp, layout.microbatches) if layout.pipeline_schedule == "1f1b" else layout.microbatches
-        for name in ("forward", "backward"):
-            if name in phases:
-                phases[name]["activations"] = phases[name].get("activations", 0) * max(in_flight, 1)
-    return phases
+    """One GPU's share under tensor parallelism, before data-parallel sharding (a pipeline stage's
+    micro-batches in flight are added by `pipeline_stage_phases`)."""
+    return {name: dict(b) for name, b in _estimate_phases(local, w, teacher)}
+
+
+@lru_cache(maxsize=1024)
+def _estimate_phases(local: ModelSpec, w: Workload, teacher: ModelSpec | None) -> tuple:
+    """The analytic phases, kept: a pipeline's stages and its tied / untied variants share most of them."""
+    return tuple((name, tuple(b.items())) for name, b in estimate(local, w, teacher).phases.items())
+
+
+def pipeline_phases(spec: ModelSpec, w: Workload, layout: Layout,
+                    teacher: ModelSpec | None = None) -> tuple[int, dict[str, dict[str, int]]]:
+    """The busiest pipeline stage and its phases (of the stages that can be the busiest: `stage_positions`)."""
+    vocab = _vocab_state(spec, w, layout, teacher)  # the same for every stage: sized once
+    sized = [(stage, pipeline_stage_phases(spec, w, layout, stage, teacher, vocab))
+             for stage in stage_positions(layout.pp)]
+    return max(sized, key=lambda item: max(sum(b.values()) for b in item[1].values()))
+
+
+def _vocab_state(spec: ModelSpec, w: Workload, layout: Layout,
+                 teacher: ModelSpec | None) -> dict[str, dict[str, int]]:
+    """One vocabulary x hidden tensor's state per phase on this layout's GPUs (`vocab_state`)."""
+    local_teacher = shard_spec(teacher, layout) if teacher is not None else None
+    first = stage_spec(tensor_shard(spec, layout.tp), spec.num_layers, layout.pp, 0)
+    return vocab_state(lambda local: apply_data_parallel(local_phases(local, w, layout, local_teacher), local, w,
+                                                         layout, local_teacher), first)
+
+
+def pipeline_stage_phases(spec: ModelSpec, w: Workload, layout: Layout, stage: int,
+                          teacher: ModelSpec | None = None,
+                          vocab: dict[str, dict[str, int]] | None = None) -> dict[str, dict[str, int]]:
+    """Pipeline stage `stage` sized as it is (`llamem.pipeline_stages`): its layers, the embedding on the
+    first, the head and the loss on the last, its micro-batches in flight, its receive buffers and kept
+    outputs. A teacher is held as the first stage's share of it on every stage. `vocab`: `_vocab_state`."""
+    whole, num_layers, stages = tensor_shard(spec, layout.tp), spec.num_layers, layout.pp
+    local_teacher = shard_spec(teacher, layout) if teacher is not None else None
+
+    def on_gpu(local: ModelSpec) -> dict[str, dict[str, int]]:
+        return apply_data_parallel(local_phases(local, w, layout, local_teacher), local, w, layout, local_teacher)
+
+    vocab = vocab if vocab is not None else _vocab_state(spec, w, layout, teacher)
+    local = stage_spec(whole, num_layers, stages, stage)
+    phases, first, last = on_gpu(local), stage == 0, stage == stages - 1
+    trim_stage(phases, vocab, local, w, first=first, last=last)
+    flight = in_flight(stage, stages, layout.microbatches, layout.pipeline_schedule)
+    if w.is_training:
+        schedule_in_flight(phases, flight, layout.microbatches, gradients_kept=layout.sharding != "none")
+        add_pipeline_buffers(phases, local, w, first=first, last=last, microbatches=layout.microbatches,
+                             flight=flight)
+    return transformers_ep_phases(expert_parallel_phases(phases, local, w, layout), phases, local, w, layout)
 
 
 def apply_data_parallel(phases: dict[str, dict[str, int]], local: ModelSpec, w: Workload,
                         layout: Layout, teacher: ModelSpec | None = None) -> dict[str, dict[str, int]]:
     """Replace model states by their data-parallel (ZeRO / DDP) form; returns new dicts."""
     phases = {name: dict(b) for name, b in phases.items()}
-    if layout.sharding == "zero3" and teacher is not None:
-        # ZeRO-3 shards the frozen teacher like any other module: a shard plus its gathered largest layer.
-        for breakdown in phases.values():
-            if "weights/teacher" in breakdown:
-                breakdown["weights/teacher"] = (breakdown["weights/teacher"] // layout.dp
-                                                + 2 * 2 * largest_layer_params(teacher))
     if w.is_training and layout.sharding in ("zero1", "zero2", "zero3") and w.task in ("train", "distill"):
         states = model_state_bytes(local, w, layout, local.num_params)
         for name, breakdown in phases.items():
@@ -345,6 +422,8 @@ def apply_data_parallel(phases: dict[str, dict[str, int]], local: ModelSpec, w: 
         buckets = phases["optimizer"].get("gradients", 0)
         for name in ("forward", "backward", "optimizer"):
             phases[name]["gradients/ddp_buckets"] = buckets
+    if teacher is not None:
+        place_teacher(phases, teacher, w, layout)
     return phases
 
 
@@ -394,7 +473,7 @@ def fsdp2_units(spec: ModelSpec, w: Workload, world: int) -> tuple[list[Fsdp2Uni
     root's own unit when the embedding is tied to the head (gathered from the first forward to the end of
     backward), else None. A layer is saved at its backward (recomputed when checkpointed)."""
     h, compute = spec.hidden_size, with_changes(w, precision=w.compute_dtype)
-    layer = [(fan_out, fan_in) for fan_in, fan_out in spec.layer_linear_shapes().values()] + [(h, 1), (h, 1)]
+    layer = fsdp2_layer_shapes(spec)
     layers = []
     for index in reversed(range(spec.num_layers)):
         saved = sum(layer_saved_bytes(spec, compute, index).values())
@@ -406,6 +485,22 @@ def fsdp2_units(spec: ModelSpec, w: Workload, world: int) -> tuple[list[Fsdp2Uni
     head_saved = _head_saved_bytes(spec, compute, layers)
     head = fsdp2_unit([(h, 1), (spec.vocab_size, h)], w, world, head_saved, head_saved)
     return [head, *layers, fsdp2_unit(embedding, w, world)], None
+
+
+def fsdp2_layer_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
+    """(rows, columns) of a decoder layer's parameters in FSDP2's order: the projections, then the two norms."""
+    h = spec.hidden_size
+    return [(fan_out, fan_in) for fan_in, fan_out in spec.layer_linear_shapes().values()] + [(h, 1), (h, 1)]
+
+
+def fsdp2_unit_shapes(spec: ModelSpec) -> list[list[tuple[int, int]]]:
+    """Each unit's parameter shapes in forward order: the embedding, the layers, the final norm with the
+    head; a tied embedding stays with the final norm in the root's unit."""
+    h, embedding = spec.hidden_size, [(spec.vocab_size, spec.hidden_size)]
+    layers = [fsdp2_layer_shapes(spec)] * spec.num_layers
+    if spec.tie_word_embeddings:
+        return [*layers, embedding + [(h, 1)]]
+    return [embedding, *layers, [(h, 1), (spec.vocab_size, h)]]
 
 
 def _head_saved_bytes(spec: ModelSpec, compute: Workload, layers: list[Fsdp2Unit]) -> int:
@@ -420,7 +515,8 @@ def _model_level_bytes(spec: ModelSpec, compute: Workload) -> int:
     return rope_bytes(spec, compute) + checkpoint_mask_bytes(compute)
 
 
-def fsdp2_phases(spec: ModelSpec, w: Workload, layout: Layout) -> dict[str, dict[str, int]]:
+def fsdp2_phases(spec: ModelSpec, w: Workload, layout: Layout,
+                 teacher: ModelSpec | None = None) -> dict[str, dict[str, int]]:
     """One rank's phases of full fine-tuning under torch FSDP2 as the launch bundle wraps the model
     (`fully_shard` on the embedding, each decoder layer, [final norm, lm_head] and the root;
     `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` for bf16-mixed).
@@ -456,33 +552,38 @@ def fsdp2_phases(spec: ModelSpec, w: Workload, layout: Layout) -> dict[str, dict
     Left out: the shard's copy-in in the param dtype (c U / N, `_fsdp_collectives.py:419`, freed when
     the all-gather is issued), the activation gradient between units, the collectives' own buffers
     (NCCL's are outside PyTorch's allocator; gloo on CPU clones a reduce-scatter input).
+    Distillation: the teacher where `llamem.teacher_placement` puts it; its logits and KL at the loss.
     """
     units, root = fsdp2_units(spec, w, layout.dp)
     every = units + ([root] if root else [])
     shards = sum(u.shards_bytes for u in every)
     grads = sum(u.grad_shard_bytes for u in every)
-    state = {"weights": shards + rope_buffer_bytes(spec), **_fsdp2_optimizer_state(w, every)}
+    teacher_bytes = {"weights/teacher": whole_teacher_bytes(teacher, w)} if teacher is not None else {}
+    loaded = {"weights": shards + rope_buffer_bytes(spec)} | teacher_bytes
+    state = {**loaded, **_fsdp2_optimizer_state(w, every)}
     base = {**state, "inputs": r512(8 * w.batch * w.seq)}
-    accumulated = grads if w.grad_accum > 1 else 0
-    compute = with_changes(w, precision=w.compute_dtype)
-    forward, loss_backward = _fsdp2_loss_moments(spec, compute, units, root, {**base, "gradients": accumulated})
+    accumulated, compute = (grads if w.grad_accum > 1 else 0), with_changes(w, precision=w.compute_dtype)
+    forward, loss_backward = _fsdp2_loss_moments(spec, compute, units, root, {**base, "gradients": accumulated},
+                                                 distill=teacher is not None)
     moments = [loss_backward, *_fsdp2_unit_moments(units, root, base, accumulated, _model_level_bytes(spec, compute))]
     if root:
         moments += _fsdp2_root_moments(spec, w, root, base, moments[-1])
     # foreach AdamW's sqrt, one per shard; the fused step works in place
     temporaries = shards if w.optimizer == "adamw" else 0
-    return {"load": {"weights": state["weights"]}, "forward": forward,
-            "backward": max(moments, key=lambda m: sum(m.values())),
-            "optimizer": add_breakdowns(state, {"gradients": grads, "temporaries": temporaries})}
+    phases = {"load": loaded, "forward": forward, "backward": max(moments, key=lambda m: sum(m.values())),
+              "optimizer": add_breakdowns(state, {"gradients": grads, "temporaries": temporaries})}
+    if teacher is not None:
+        place_teacher(phases, teacher, w, layout)
+    return phases
 
 
 def _fsdp2_loss_moments(spec: ModelSpec, compute: Workload, units: list[Fsdp2Unit], root: Fsdp2Unit | None,
-                        base: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+                        base: dict[str, int], distill: bool = False) -> tuple[dict[str, int], dict[str, int]]:
     """The forward and the loss backward at the loss: the head's unit gathered (or the root's) with the
     last all-gather output, which the root's post-forward frees; in backward the root's pre-backward
     (at the loss) prefetches the top layer, while the head's comes with its output's gradient, after
     the loss backward."""
-    activations, logits = training_activations(spec, compute), training_logits(spec, compute)
+    activations, logits = training_activations(spec, compute, distill), training_logits(spec, compute, distill)
     first = root or units[0]
     forward = add_breakdowns(base, {"weights/gathered": first.gathered_bytes + units[0].buffer_bytes,
                           "activations": activations.forward, "logits": logits.forward_peak})

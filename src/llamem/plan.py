@@ -41,8 +41,9 @@ from llamem.overhead import non_torch_bytes
 from llamem.parallel import (IN_BACKWARD_ONE_GPU, Layout, check_layout, expert_parallel_variants, fsdp2_problems,
                              host_bytes, per_gpu_phases, shard_spec, with_engine)
 from llamem.techniques import (BY_NAME, LADDER_ORDER, LAYOUT_REASON, LAYOUT_TITLE, PREFILL_CHUNKS,
-                               TRUNCATION_TIER, SearchContext, ac_settings, technique_variants, time_factor,
-                               workload_args)
+                               TRUNCATION_TIER, SearchContext, Variant, ac_settings, technique_variants,
+                               time_factor, workload_args)
+from llamem.teacher_placement import placement_problems, teacher_options, teacher_saving_bytes
 from llamem.units import format_bytes, format_gib
 from llamem.workload import Workload
 
@@ -135,6 +136,9 @@ class Space:
     runnable: Callable[[ModelSpec, Workload, Layout], bool] | None = None
     """With `llamem plan --emit`: only the configurations its launch bundle runs
     (`llamem.bundle.emit.bundle_runs`); None keeps every configuration."""
+    teacher_choices: bool = False
+    """Whether the search may shard or quantize a distillation teacher (`teacher_candidates`): only in a second
+    search, where nothing fits with the teacher as asked (`best`)."""
     evaluated: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
     """Each configuration's `evaluate`, kept for the whole search: its rounds and bisection steps
     meet the same configurations again."""
@@ -217,7 +221,7 @@ def confirm(space: Space, c: Candidate) -> Candidate:
         return c
     local = shard_spec(space.spec, c.layout)
     device = device_memory(local, runs_as(c.workload, c.layout), c.allocated_bytes,
-                           num_gpus=c.layout.num_gpus).device_bytes
+                           num_gpus=c.layout.num_gpus, layout=c.layout).device_bytes
     return dataclasses.replace(c, device_bytes=device, confirmed=True)
 
 
@@ -256,7 +260,8 @@ def layouts(space: Space, num_gpus: int, w: Workload) -> list[Layout]:
             layout = Layout(dp=dp, tp=tp, pp=pp, sharding=sharding, offload=offload)
             if runs_on(space.engine, layout) and not check_layout(space.spec, layout):
                 out.append(layout)
-                # A mixture of experts may also split its experts (no bundle engine runs it: "any" only).
+                # A mixture of experts may also split its experts ("any" only: the bundle runs it with DDP replicas,
+                # `llamem.expert_parallel_engines`).
                 out += expert_parallel_variants(space.spec, layout) if space.engine == "any" else []
     return out
 
@@ -339,10 +344,8 @@ def memory_knobs(space: Space, w: Workload, changes: dict | None = None) -> list
         chunks = [0] + [c for c in PREFILL_CHUNKS if 0 < c < w.seq]
         return [({"prefill_chunk": c}, c > 0) for c in chunks]
     # Megatron-LM recomputes whole layers (its "selective" recomputes attention only, another policy).
-    # (`--compile` is not sized with selective checkpointing: those pairs are left out here rather
-    # than built and refused, which the search would do tens of thousands of times.)
     compiled = (changes or {}).get("compile", w.compile)
-    full_only = space.engine == "megatron" or compiled
+    full_only = space.engine == "megatron"
     settings = [a for a in ac_settings(space.spec.num_layers) if not full_only or a["ac_mode"] == "full"]
     losses = [loss for loss in loss_settings(w) if not (compiled and loss.get("liger"))]
     knobs = [({**loss, **ac}, loss != {"loss": "full"} or ac["ac_every"] > 0)
@@ -403,7 +406,10 @@ def _knob_candidates(space: Space, w: Workload, shape: dict, layout: Layout, kno
     if lean and not any(acceptable(space, c, rejected) for c in lean):
         yield from lean
         yield from offloaded_candidates(space, w, shape, layout, lean, variant, margin, rejected)
-        return False
+        if not space.teacher_choices or "teacher_placement" in shape or "teacher_quant" in shape:
+            return False
+        gap = min(c.device_bytes for c in lean) - space.gpu.memory_bytes
+        return (yield from teacher_candidates(space, w, shape, layout, knobs, variant, margin, rejected, gap))
     for i, (_options, costs_time) in enumerate(knobs):
         c = at(i)
         if c is None:
@@ -433,6 +439,36 @@ def offloaded_candidates(space: Space, w: Workload, shape: dict, layout: Layout,
             yield found
             if acceptable(space, found, rejected):
                 return
+
+
+def teacher_candidates(space: Space, w: Workload, shape: dict, layout: Layout, knobs: list[tuple[dict, bool]],
+                       variant, margin: float, rejected: frozenset, gap_bytes: int):
+    """A distillation's teacher sharded over the data-parallel GPUs, then quantized (`teacher_options`): tried
+    only where no lean knob fits with the teacher as asked and the option's largest saving could close the
+    gap (`gap_bytes`, the leanest knob's excess), each with the knobs again, up to the first option with an
+    acceptable configuration; returns what `_knob_candidates` returns for it."""
+    for changes, tier in teacher_options(w, layout.dp):
+        teacher = shard_spec(space.teacher, layout) if space.teacher is not None else None
+        if teacher is None or teacher_saving_bytes(teacher, w, changes, layout.dp) * (1 + margin) < gap_bytes:
+            continue
+        placed = Variant({**variant.changes, **changes}, max(variant.tier, tier), variant.numerics + (tier > 0))
+        seen: list[Candidate] = []
+        found = yield from _recorded(_knob_candidates(space, w, {**shape, **changes}, layout, knobs, placed, margin,
+                                                      rejected), seen)
+        if any(acceptable(space, c, rejected) for c in seen):
+            return found
+    return False
+
+
+def _recorded(candidates, seen: list):
+    """`candidates` passed on, each also kept in `seen`; returns what the generator returns."""
+    while True:
+        try:
+            c = next(candidates)
+        except StopIteration as stop:
+            return stop.value
+        seen.append(c)
+        yield c
 
 
 @lru_cache(maxsize=65536)
@@ -467,6 +503,8 @@ def _knob_candidate(space: Space, w: Workload, shape: dict, layout: Layout, opti
         return None  # the user's own --optimizer-in-backward on a layout of several GPUs
     if run is None or (space.runnable is not None and not space.runnable(space.spec, shaped, run)):
         return None
+    if shaped.teacher_placement == "sharded" and placement_problems(shaped, layout.dp):
+        return None  # a teacher asked sharded, on a layout of one replica (tensor or pipeline parallel alone)
     key = (shaped, run, variant.tier, variant.numerics, margin)
     if key not in space.evaluated:
         space.evaluated[key] = evaluate(space, shaped, run, variant.tier, variant.numerics, margin)
@@ -506,6 +544,11 @@ def best(space: Space, w: Workload, num_gpus: int, *, fixed_micro_batch: bool = 
         if acceptable(space, exact):
             return Found(best=exact, closest=None, evaluated=evaluated)
         rejected |= {(top.workload, top.layout)}
+    if space.teacher is not None and not space.teacher_choices and w.task == "distill":
+        # Nothing fits with the teacher as asked: search again, sharding or quantizing it where that could help.
+        found = best(dataclasses.replace(space, teacher_choices=True), w, num_gpus,
+                     fixed_micro_batch=fixed_micro_batch, closest=closest)
+        return dataclasses.replace(found, evaluated=found.evaluated + evaluated)
     return Found(best=None, closest=_closest(space, first_round) if closest else None, evaluated=evaluated)
 
 
@@ -736,6 +779,8 @@ def make_plan(spec: ModelSpec, w: Workload, gpu: GPU, *, num_gpus: int = 1, host
     only the layouts that engine runs (`ENGINES`). `runnable`: only the configurations it accepts
     (`Space.runnable`)."""
     check_engine(engine, w)
+    if not min_gpus and num_gpus == 1 and placement_problems(w, 1):
+        raise InvalidWorkload(placement_problems(w, 1))
     if w.attn == "flash_attention_2" and not gpu.bf16:  # the bf16 flag marks Ampere and newer
         raise InvalidWorkload([f"--attn flash_attention_2: flash-attn 2 has kernels for Ampere or newer only, not "
                                f"{gpu.name}: use --attn sdpa, or another --gpu"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from llamem.analytic import estimate
+from llamem.analytic.schedule_ranks import rank_schedule_kind
 from llamem.device import device_memory
 from llamem.engine_precision import precision_note, runs_as
 from llamem.model import ModelSpec
@@ -30,16 +31,27 @@ def estimate_report(spec: ModelSpec, w: Workload, layout: Layout | None = None, 
     if layout.num_gpus > 1 or layout.sharding != "none":
         report = dataclasses.replace(report, phases=per_gpu_phases(spec, sized, layout, teacher))
         notes.append(f"per GPU, the busiest GPU of {layout.describe()}")
+        if layout.pp > 1 and sized.is_training and layout.engine != "fsdp2":
+            notes.append(pipeline_stage_note(spec, sized, layout, teacher))
     if sized is not w:
         notes.append(precision_note(w, layout))
     local = shard_spec(spec, layout)
     single = layout.num_gpus == 1 and layout.sharding == "none"
     device = device_memory(local, sized, report.peak_allocated_bytes, num_gpus=layout.num_gpus,
-                           exact_shape=details, unlimited=details and single)
-    notes += device_notes(device, w, single)
+                           exact_shape=details, unlimited=details and single, layout=layout)
+    notes += device_notes(device, w, single, rank_kind=rank_schedule_kind(local, sized, layout))
     if details and single:
         notes += allocator_advice(local, w, device)
     return dataclasses.replace(report, device=device, notes=tuple(notes), layout=layout.describe())
+
+
+def pipeline_stage_note(spec: ModelSpec, w: Workload, layout: Layout, teacher: ModelSpec | None) -> str:
+    """Which pipeline stage the figures are (`parallel.pipeline_phases`: each stage sized as it is)."""
+    from llamem.parallel import pipeline_phases
+
+    stage = pipeline_phases(spec, w, layout, teacher)[0]
+    return (f"pipeline: these are the figures of stage {stage} (of stages 0-{layout.pp - 1}), the busiest; stage 0 "
+            f"holds the embedding, stage {layout.pp - 1} the head and the loss, each stage its micro-batches in flight")
 
 
 ADVISE_ABOVE = 0.05
@@ -86,7 +98,10 @@ def trace_report(spec: ModelSpec, w: Workload, teacher: ModelSpec | None = None,
     return dataclasses.replace(report, device=device, notes=tuple(notes)), events
 
 
-def device_notes(device, w: Workload, single_gpu: bool, traced: bool = False) -> list[str]:
+def device_notes(device, w: Workload, single_gpu: bool, traced: bool = False,
+                 rank_kind: str | None = None) -> list[str]:
+    """`rank_kind`: the engine whose rank schedule gave the fragmentation ("ddp", "fsdp2", "tp"), None for the
+    single-GPU schedule (`llamem.analytic.schedule_ranks.rank_schedule_kind`)."""
     from llamem.units import format_gib
 
     notes = [f"device memory = peak allocated + {format_gib(device.fragmentation_bytes)} allocator fragmentation "
@@ -97,8 +112,16 @@ def device_notes(device, w: Workload, single_gpu: bool, traced: bool = False) ->
         what = "the traced allocations of this exact shape replay" if traced else "this exact shape's schedule replays"
         notes.append(f"{what} only on {format_gib(exact)}: the block sizes of this shape fragment the allocator more than "
                      "smaller shapes; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids most of it")
-    if not single_gpu:
-        notes.append("the fragmentation comes from this GPU's share of the model replayed as one device, with whole "
-                     "model states where ZeRO shards them and without ZeRO's buckets or the collectives: it errs on "
-                     "the large side for ZeRO layouts; no allocator advice for parallel layouts")
+    if rank_kind:
+        what = {"ddp": "DDP's gradient buckets", "fsdp2": "FSDP2's per-unit all-gathers, reshards and reduce-scatters",
+                "tp": "tensor parallel's all-reduced outputs and input gradients, the whole-vocabulary embedding "
+                      "gradient"}[rank_kind]
+        notes.append(f"the fragmentation comes from this rank's own allocation schedule ({what}; NCCL's buffers are "
+                     "outside PyTorch's allocator, counted in non-torch); no allocator advice for parallel layouts")
+    elif not single_gpu:
+        notes.append("the fragmentation comes from this GPU's share of the model replayed as one device (the "
+                     "single-GPU schedule: ranks have their own only under DDP, FSDP2's ZeRO-3 and tensor parallel "
+                     "for full training), with whole model states where ZeRO shards them and without ZeRO's buckets "
+                     "or a pipeline's micro-batches in flight: it errs on the large side for ZeRO layouts; "
+                     "no allocator advice for parallel layouts")
     return notes

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from llamem.analytic.moe_lora import lora_linear_targets, peft_target_parameters
 from llamem.workload import FIELD_TASKS, LORA_TARGETS_DEFAULT, Workload
 
 CHUNKED_LOSS_COST = 0.02
@@ -45,6 +46,9 @@ head and loss (Liger reports it faster; llamem has not timed it)."""
 OPTIMIZER_IN_BACKWARD_COST = 0.02
 """An assumption, not a measurement: stepping one parameter at a time inside backward (a small
 kernel launch per tensor, no multi-tensor batching) is taken as 2 % slower per step."""
+TEACHER_GATHER_COST = 0.02
+"""An assumption, not a measurement: a sharded teacher's weights are all-gathered a layer at a time in each
+of its forwards (FSDP2 prefetches the next layer while one computes), taken as 2 % of the step's time."""
 KV_CACHE_CONFIGS = {"fp8": '{"backend": "fp8"}', "int8": '{"backend": "hqq", "nbits": 8}',
                     "int4": '{"backend": "quanto", "nbits": 4}'}
 """Quantized KV caches as transformers' QuantizedCache builds them (KIVI-style for the integer ones)."""
@@ -193,6 +197,9 @@ def _task_code(w: Workload, code: Code) -> None:
     if w.task == "distill":
         code.comments.append(f"# Distillation: the frozen teacher ({w.teacher}) runs its forward, without gradients, "
                              "beside the student.")
+        if w.teacher_placement == "sharded":
+            code.comments.append("# The teacher is sharded on its own: fully_shard(layer) for each of its decoder "
+                                 "layers, then fully_shard(teacher) (torch.distributed.fsdp).")
 
 
 def _lora_code(w: Workload, code: Code) -> None:
@@ -202,9 +209,12 @@ def _lora_code(w: Workload, code: Code) -> None:
     if w.task == "qlora":
         # (its own checkpointing off: TrainingArguments enables it, every K layers if planned so)
         code.after_load.append("model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)")
-    targets = ", ".join(f'"{t}"' for t in w.lora_targets)
-    code.after_load.append(f'model = get_peft_model(model, LoraConfig(r={w.lora_rank}, target_modules=[{targets}], '
-                           'task_type="CAUSAL_LM"))')
+    targets = ", ".join(f'"{t}"' for t in lora_linear_targets(w))
+    # A mixture of experts' fused 3-D experts are parameters, which peft adapts through target_parameters.
+    parameters = ", ".join(f'"{p}"' for p in peft_target_parameters(w))
+    extra = f", target_parameters=[{parameters}]" if parameters else ""
+    code.after_load.append(f'model = get_peft_model(model, LoraConfig(r={w.lora_rank}, target_modules=[{targets}]'
+                           f'{extra}, task_type="CAUSAL_LM"))')
 
 
 def _kv_code(w: Workload, code: Code) -> None:
@@ -275,9 +285,9 @@ def _compile_variants(w: Workload, ctx: SearchContext) -> list[Variant]:
     kernels round differently from eager (not bit-identical), so `--exact` leaves it out, and, being
     assumed faster (`COMPILE_TIME_FACTOR`), a tier-0 compile would join every plan, needed or not.
     It enters a plan when no exact change fits, before the precision- and state-changing ones."""
-    if w.compile or w.task not in ("train", "lora", "qlora") or w.attn != "sdpa" or w.selective_ac or not ctx.compile_sized:
+    if w.compile or w.task not in ("train", "lora", "qlora") or w.attn != "sdpa" or not ctx.compile_sized:
         return [Variant({}, 0)]
-    if w.liger or w.optimizer_in_backward:
+    if w.liger:
         return [Variant({}, 0)]
     return [Variant({}, 0), Variant({"compile": True}, 1)]
 
@@ -411,7 +421,8 @@ RECORDS: tuple[Record, ...] = (
            label=lambda w: f"LoRA r={w.lora_rank} on {','.join(w.lora_targets)}" if w.uses_adapters else None,
            options=(Option(flag="--lora-rank", field="lora_rank", type=int, help="[default: 8]"),
                     Option(flag="--lora-targets", field="lora_targets",
-                           help="Comma-separated linears, or 'all'.  [default: q_proj,v_proj]"))),
+                           help="Comma-separated linears, or 'all'; 'experts' adds a mixture of experts' fused "
+                           "expert weights.  [default: q_proj,v_proj]"))),
     Record(name="kv_dtype", fields=("kv_dtype",), args=lambda w: _flag("--kv-dtype", w.kv_dtype),
            label=lambda w: f"kv {w.kv_dtype}", code=_kv_code, title="KV-cache dtype",
            reason="a smaller KV-cache dtype shrinks the cache in proportion",
@@ -522,11 +533,26 @@ RECORDS: tuple[Record, ...] = (
     Record(name="teacher", fields=("teacher",), args=lambda w: _if(bool(w.teacher), "--teacher", str(w.teacher)),
            label=lambda w: f"teacher {w.teacher}" if w.teacher else None,
            options=(Option(flag="--teacher", field="teacher", help="Teacher model for --task distill."),)),
+    # The planner tries both teacher records only where nothing fits without them (`plan.teacher_candidates`).
     Record(name="teacher_quant", fields=("teacher_quant",),
            args=lambda w: _if(w.teacher_quant != "none", "--teacher-quant", w.teacher_quant),
            label=lambda w: f"teacher {w.teacher_quant}" if w.teacher_quant != "none" else None,
+           title="teacher quantization", reason="the frozen teacher's weights in 8 or 4 bits (bitsandbytes)",
+           change=lambda w: f"teacher weights {w.teacher_quant}",
            options=(Option(flag="--teacher-quant", field="teacher_quant",
                            help="none | int8 | nf4 | int4: the frozen teacher's weights (distill).  [default: none]"),)),
+    Record(name="teacher_placement", fields=("teacher_placement",),
+           args=lambda w: _if(w.teacher_placement != "auto", "--teacher-placement", w.teacher_placement),
+           label=lambda w: f"teacher {w.teacher_placement}" if w.teacher_placement != "auto" else None,
+           title="teacher placement",
+           reason="the frozen teacher sharded over the data-parallel GPUs with FSDP2, gathered a layer at a time in "
+                  "its forward",
+           change=lambda w: f"teacher {w.teacher_placement}",
+           time_factor=lambda w: 1 + TEACHER_GATHER_COST * (w.teacher_placement == "sharded"),
+           options=(Option(flag="--teacher-placement", field="teacher_placement",
+                           help="auto | replicated | sharded: where the frozen teacher lives on several GPUs "
+                                "(distill): whole on every GPU, or sharded with FSDP2 fully_shard on its own.  "
+                                "[default: auto, sharded under ZeRO-3, else replicated]"),)),
     Record(name="attn", fields=("attn",), args=lambda w: _if(w.attn != "sdpa", "--attn", w.attn),
            label=lambda w: w.attn, code=lambda w, code: code.load_options.append(f'attn_implementation="{w.attn}"'),
            options=(Option(flag="--attn", field="attn", help="sdpa | eager | flash_attention_2 (flash-attn's "
@@ -554,7 +580,7 @@ _TIME_FACTORS = tuple((record.tasks, record.time_factor) for record in RECORDS
                       if record.time_factor is not Record.time_factor)
 """(tasks, factor) of the records that change the step time: the planner asks for every candidate."""
 LADDER_ORDER = ("precision", "quant", "qlora", "kv_dtype", "prefill_chunk", "ac_every", "offload_activations", "loss", "liger", "compile",
-                "optimizer", "optimizer_in_backward", "batch", "layout", "seq")
+                "optimizer", "optimizer_in_backward", "batch", "teacher_quant", "layout", "teacher_placement", "seq")
 """The order a plan's ladder applies the techniques in (`layout` is `llamem.parallel.Layout`)."""
 LAYOUT_TITLE = "parallelism / sharding / offload"
 LAYOUT_REASON = "spreading weights, gradients and optimizer state over GPUs (or to host memory)"
@@ -563,7 +589,7 @@ TRUNCATION_TIER = 2
 
 
 RENDER_ORDER = ("task", "shape", "precision", "generation", "kv_dtype", "prefill_chunk", "optimizer",
-                "optimizer_in_backward", "ac_every", "offload_activations", "batch", "loss", "liger", "compile", "quant", "lora", "teacher", "teacher_quant", "attn", "padding")
+                "optimizer_in_backward", "ac_every", "offload_activations", "batch", "loss", "liger", "compile", "quant", "lora", "teacher", "teacher_quant", "teacher_placement", "attn", "padding")
 """The order settings appear in a reproduce command and in a report's header."""
 
 
@@ -604,7 +630,8 @@ def technique_variants(w: Workload, ctx: SearchContext, max_tier: int) -> list[V
             continue
         combined = [Variant({**a.changes, **b.changes}, max(a.tier, b.tier), a.numerics + b.numerics)
                     for a in combined for b in record.variants(w, ctx)]
-    # --compile is not sized with the optimizer step in backward: the pair is left out, not built and refused.
+    # Both at once only where the workload asks for one of them: trying every pair would lengthen every
+    # search, for a pair whose saving over compile alone is the gradients (`analytic.in_backward`).
     return [v for v in combined if v.tier <= max_tier
             and not (v.changes.get("compile") and v.changes.get("optimizer_in_backward"))]
 

@@ -26,12 +26,16 @@ Padding = Literal["none", "longest"]
 KVDType = Literal["bf16", "fp16", "fp32", "fp8", "int8", "int4"]
 Loss = Literal["full", "chunked"]
 ACMode = Literal["full", "selective"]
+TeacherPlacement = Literal["auto", "replicated", "sharded"]
 
 ALL_TASKS = ("infer", "train", "lora", "qlora", "distill")
 TRAINING_TASKS = ("train", "lora", "qlora", "distill")
 ADAPTER_TASKS = ("lora", "qlora")
 LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_TARGETS_DEFAULT = ("q_proj", "v_proj")
+LORA_EXPERTS = "experts"
+"""The --lora-targets name of a mixture of experts' fused 3-D expert weights (gate_up_proj, down_proj), which peft
+adapts through `target_parameters` (`llamem.analytic.moe_lora`)."""
 MAX_BATCH = 2**16
 """Batch and accumulation steps up to 65,536; sequence and generated tokens up to 2**22 (4M); LoRA rank
 and checkpointing interval up to 65,536. Beyond these no real run goes, and the sizes of the largest
@@ -104,6 +108,8 @@ class Workload:
     of `batch x seq` tokens, `position_ids` restarting at each sequence, no attention mask."""
     lora_rank: int = 8
     lora_targets: tuple[str, ...] = LORA_TARGETS_DEFAULT
+    """The adapted linears of each layer (LORA_TARGETS_ALL), and on a mixture of experts `experts`: its fused
+    expert weights, through peft's target_parameters."""
     kv_dtype: KVDType = "bf16"
     grad_accum: int = 1
     """Micro-batches per optimizer step: from the second one on, gradients live through forward."""
@@ -119,6 +125,10 @@ class Workload:
     """Teacher model (distill only): a preset name or Hugging Face id."""
     teacher_quant: Quant = "none"
     """The frozen teacher's weight quantization (distill only): int8, nf4 or int4 weights as for the base."""
+    teacher_placement: TeacherPlacement = "auto"
+    """Where the frozen teacher lives on several GPUs (distill only, `llamem.teacher_placement`): replicated
+    (whole on every data-parallel rank), sharded (FSDP2 `fully_shard` on its own, gathered a layer at a time in
+    its forward), or auto (what the student's layout implies: sharded under ZeRO-3, else replicated)."""
     _mixed: bool = field(default=False, init=False, repr=False, compare=False)
     _compute: str = field(default="", init=False, repr=False, compare=False)
 
@@ -196,6 +206,7 @@ def _value_problems(w: Workload) -> list[str]:
     _check_choice(problems, "--precision", w.precision, Precision)
     _check_choice(problems, "--quant", w.quant, Quant)
     _check_choice(problems, "--teacher-quant", w.teacher_quant, Quant)
+    _check_choice(problems, "--teacher-placement", w.teacher_placement, TeacherPlacement)
     _check_choice(problems, "--optimizer", w.optimizer, Optimizer)
     _check_choice(problems, "--attn", w.attn, Attention)
     _check_choice(problems, "--padding", w.padding, Padding)
@@ -211,10 +222,10 @@ def _value_problems(w: Workload) -> list[str]:
                                    ("--prefill-chunk", w.prefill_chunk, 0, MAX_TOKENS)):
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             problems.append(f"{flag} must be an integer from {low} to {high:,}, got {value!r}")
-    bad_targets = [t for t in w.lora_targets if t not in LORA_TARGETS_ALL]
+    bad_targets = [t for t in w.lora_targets if t not in LORA_TARGETS_ALL + (LORA_EXPERTS,)]
     if bad_targets or not w.lora_targets:
         problems.append(f"--lora-targets {','.join(w.lora_targets)!r}: choose from {','.join(LORA_TARGETS_ALL)} "
-                        "(or 'all')")
+                        f"(or 'all'), and {LORA_EXPERTS} for a mixture of experts' fused expert weights")
     repeated = sorted({t for t in w.lora_targets if w.lora_targets.count(t) > 1})
     if repeated:
         problems.append(f"--lora-targets names {', '.join(repeated)} more than once: list each linear once")
@@ -224,12 +235,7 @@ def _value_problems(w: Workload) -> list[str]:
         problems.append(f"LoRA on {w.quant} weights is QLoRA: use --task qlora")
     if w.task == "qlora" and w.quant == "none":
         problems.append("qlora needs a quantized base: --quant nf4 (default), int4 or int8")
-    if w.task == "distill" and not w.teacher:
-        problems.append("distill needs a teacher: add --teacher MODEL (for example --teacher llama-3.1-70b)")
-    if w.task != "distill" and w.teacher:
-        problems.append("--teacher only applies to --task distill")
-    if w.task != "distill" and w.teacher_quant != "none":
-        problems.append("--teacher-quant only applies to --task distill")
+    problems += _teacher_problems(w)
     if w.task != "infer" and w.prefill_chunk:
         problems.append("--prefill-chunk only applies to --task infer")
     if w.prefill_chunk > 0 and -(-w.seq // w.prefill_chunk) > MAX_PREFILL_CHUNKS:
@@ -246,6 +252,22 @@ def _value_problems(w: Workload) -> list[str]:
         problems.append(f"inference has no master weights: use --precision {w.precision.removesuffix('-mixed')}")
     if w.task == "qlora" and w.precision.endswith("-mixed"):
         problems.append("QLoRA keeps a quantized base: use --precision bf16 (adapters stay in fp32)")
+    return problems
+
+
+def _teacher_problems(w: Workload) -> list[str]:
+    problems = []
+    if w.task == "distill" and not w.teacher:
+        problems.append("distill needs a teacher: add --teacher MODEL (for example --teacher llama-3.1-70b)")
+    if w.task != "distill" and w.teacher:
+        problems.append("--teacher only applies to --task distill")
+    if w.task != "distill" and w.teacher_quant != "none":
+        problems.append("--teacher-quant only applies to --task distill")
+    if w.task != "distill" and w.teacher_placement != "auto":
+        problems.append("--teacher-placement only applies to --task distill")
+    if w.teacher_placement == "sharded" and w.teacher_quant != "none":
+        problems.append(f"--teacher-placement sharded shards bf16 weights with fully_shard, not bitsandbytes' "
+                        f"{w.teacher_quant} ones: drop --teacher-quant, or use --teacher-placement replicated")
     return problems
 
 
@@ -310,12 +332,9 @@ def _compile_problems(w: Workload) -> list[str]:
     problems = []
     if w.task == "infer":
         problems.append("--compile is sized for training only: drop --compile for --task infer")
-    if w.selective_ac:
-        problems.append(f"--compile with selective checkpointing is not sized yet: use --ac "
-                        f"{ac_label(w.ac_every)} with --compile, or drop --compile")
-    for flag, on in (("--liger", w.liger), ("--optimizer-in-backward", w.optimizer_in_backward)):
-        if on:
-            problems.append(f"--compile with {flag} is not sized yet: drop one of the two")
+    if w.liger:  # the trace emulates Liger in plain torch ops, which the partitioner and inductor would see into
+        problems.append("--compile with --liger is not sized: Liger's Triton kernels are opaque to inductor, and "
+                        "compiling llamem's emulation of them would size another program; drop one of the two")
     if w.task == "distill":
         problems.append("--compile is not sized for distillation yet: drop --compile for --task distill")
     if w.attn != "sdpa":
@@ -379,7 +398,7 @@ FIELD_TASKS: dict[str, tuple[str, ...]] = {
     "liger": TRAINING_TASKS, "compile": TRAINING_TASKS, "offload_activations": TRAINING_TASKS,
     "padding": TRAINING_TASKS, "pad_fraction": TRAINING_TASKS, "padding_free": TRAINING_TASKS,
     "lora_rank": ADAPTER_TASKS, "lora_targets": ADAPTER_TASKS,
-    "teacher": ("distill",), "teacher_quant": ("distill",),
+    "teacher": ("distill",), "teacher_quant": ("distill",), "teacher_placement": ("distill",),
 }
 """The tasks each Workload field applies to: a setting given for another task is refused, not ignored."""
 _FLAGS = {"ac_every": "--ac", "ac_mode": "--ac"}
@@ -418,7 +437,7 @@ def build_workload(task: str = "train", **given) -> Workload:
     given = {k: v for k, v in given.items() if v is not None and not (v is False and k in FLAG_FIELDS)}
     problems = []
     for key, tasks in FIELD_TASKS.items():
-        if key in given and task not in tasks and key not in ("teacher", "teacher_quant"):
+        if key in given and task not in tasks and key not in ("teacher", "teacher_quant", "teacher_placement"):
             flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
             problems.append(f"{flag} only applies to --task {' / '.join(tasks)}, not {task}")
     if problems:

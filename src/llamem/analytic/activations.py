@@ -38,6 +38,7 @@ from functools import lru_cache
 from llamem.analytic.attention_paths import flash_saved_bytes, masked_cache_bytes, sdpa_masked
 from llamem.analytic.common import r512, trains_base_weights
 from llamem.analytic.kv_cache import training_cache_bytes
+from llamem.analytic import llama4
 from llamem.analytic.moe import moe_input_readers, moe_saved_bytes
 from llamem.analytic.selective import selective_kept_bytes
 from llamem.dtypes import DTYPE_BYTES
@@ -101,7 +102,9 @@ def _consumer_saved(T: int, fan_in: int, e: int, mixed: bool, flags: LayerFlags,
         saved += len(names) * r512(2 * T * fan_in) if mixed else r512(e * T * fan_in)
     else:
         adapted = [n for n in names if n in flags.targets]
-        if adapted:
+        if adapted and mixed:  # each lora_A keeps its own bf16 cast of the fp32 norm output
+            saved += len(adapted) * _mixed_adapted_input_saved(T, fan_in, rank)
+        elif adapted:
             saved += len(adapted) * r512(4 * T * fan_in) if e < 4 else r512(4 * T * fan_in)
             saved += len(adapted) * r512(4 * T * rank)
     return saved
@@ -126,10 +129,27 @@ def layer_saved_bytes(spec: ModelSpec, workload: Workload, layer_index: int,
     return {"norm": (norm(T, h, e, mixed, flags.input_requires_grad, flags.train_all)
                      + norm(T, h, e, mixed, h1_rg, flags.train_all)),
             "lora": _linear_inputs_saved(spec, workload, flags, moe),
-            "attention": (_attention_saved(spec, workload) if attn_rg else 0) + qk_norm_saved(spec, workload, flags),
-            "mlp": (moe_saved_bytes(spec, workload, flags.train_all, h1_rg) if moe
+            "attention": _layer_attention_saved(spec, workload, layer_index, flags),
+            "mlp": (_moe_block_saved(spec, workload, flags.train_all, h1_rg) if moe
                     else _mlp_saved(spec, workload, flags, h1_rg)),
             "residual": _residual_saved(spec, workload, h1_rg)}
+
+
+def _layer_attention_saved(spec: ModelSpec, workload: Workload, index: int, flags: LayerFlags) -> int:
+    """Attention's saved tensors and the q/k norms' (Llama 4's attention: `llama4.py`)."""
+    if llama4.is_llama4(spec):
+        if not _attention_needs_grad(flags):
+            return 0
+        q_rg, k_rg = (flags.input_requires_grad or proj in flags.targets for proj in ("q_proj", "k_proj"))
+        return llama4.attention_saved_bytes(spec, workload, index, q_rg, k_rg)
+    return (_attention_saved(spec, workload) if _attention_needs_grad(flags) else 0) + qk_norm_saved(
+        spec, workload, flags)
+
+
+def _moe_block_saved(spec: ModelSpec, workload: Workload, trains: bool, needs_grad: bool) -> int:
+    if llama4.is_llama4(spec):
+        return llama4.moe_saved_bytes(spec, workload, trains, needs_grad)
+    return moe_saved_bytes(spec, workload, trains, needs_grad)
 
 
 def _linear_inputs_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags, moe: bool = False) -> int:
@@ -140,7 +160,8 @@ def _linear_inputs_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags,
     e, mixed = compute_bytes(workload), workload.mixed
     saved = _consumer_saved(T, h, e, mixed, flags, ("q_proj", "k_proj", "v_proj"), rank)
     if "o_proj" in flags.targets and not flags.train_all:
-        saved += (r512(4 * T * spec.q_dim) if e < 4 else 0) + r512(4 * T * rank)
+        saved += (_mixed_adapted_input_saved(T, spec.q_dim, rank) if mixed
+                  else (r512(4 * T * spec.q_dim) if e < 4 else 0) + r512(4 * T * rank))
     readers = moe_input_readers(spec) if moe else ("gate_proj", "up_proj")
     return saved + _consumer_saved(T, h, e, mixed, flags, readers, rank)
 
@@ -219,8 +240,15 @@ def _mlp_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags, h1_rg: bo
     if flags.train_all:
         mlp += unit
     elif "down_proj" in t:
-        mlp += (r512(4 * T * I) if e < 4 else r512(e * T * I)) + r512(4 * T * workload.lora_rank)
+        mlp += (_mixed_adapted_input_saved(T, I, workload.lora_rank) if workload.mixed
+                else (r512(4 * T * I) if e < 4 else r512(e * T * I)) + r512(4 * T * workload.lora_rank))
     return mlp
+
+
+def _mixed_adapted_input_saved(T: int, fan_in: int, rank: int) -> int:
+    """An adapted linear under autocast over fp32 adapters: lora_A casts its input (peft's fp32 cast
+    where the input is bf16) to bf16 and keeps that copy; its output is bf16 (traced)."""
+    return r512(2 * T * fan_in) + r512(2 * T * rank)
 
 
 def _residual_saved(spec: ModelSpec, workload: Workload, h1_rg: bool) -> int:
@@ -259,6 +287,8 @@ def model_saved_bytes(spec: ModelSpec, workload: Workload,
         plain_moe = sum(1 for i in spec.moe_layers if i > 0 and not is_checkpointed(workload, i))
         kinds[1:] = [(layer_saved_bytes(spec, workload, 1, moe=True), plain_moe),
                      (layer_saved_bytes(spec, workload, 1, moe=False), plain_rest - plain_moe)]
+    if llama4.is_llama4(spec):
+        kinds[1:] = _llama4_plain_kinds(spec, workload)
     for saved, count in kinds:
         if count > 0:
             for part, value in saved.items():
@@ -286,8 +316,46 @@ def model_saved_bytes(spec: ModelSpec, workload: Workload,
     return totals
 
 
+def _llama4_plain_kinds(spec: ModelSpec, workload: Workload) -> list[tuple[dict[str, int], int]]:
+    """Llama 4's plain layers 1.. grouped by kind (`llama4.layer_kind`), each kind's saved set sized once."""
+    groups: dict[tuple[bool, bool], list[int]] = {}
+    for index in range(1, spec.num_layers):
+        if not is_checkpointed(workload, index):
+            groups.setdefault(llama4.layer_kind(spec, index), []).append(index)
+    return [(layer_saved_bytes(spec, workload, indices[0]), len(indices)) for indices in groups.values()]
+
+
+def largest_layer_saved_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """The largest saved set of a layer from 1 on (of each kind of layer a mixture of experts has)."""
+    if llama4.is_llama4(spec):
+        first = {}
+        for index in range(min(1, spec.num_layers - 1), spec.num_layers):
+            first.setdefault(llama4.layer_kind(spec, index), index)
+        return max(sum(layer_saved_bytes(spec, workload, i).values()) for i in first.values())
+    if spec.is_moe:
+        return max(sum(layer_saved_bytes(spec, workload, 1, moe=moe).values()) for moe, _n in spec.layer_kinds())
+    return sum(layer_saved_bytes(spec, workload, 1).values())
+
+
+def checkpointed_layer_held_bytes(spec: ModelSpec, workload: Workload, index: int) -> int:
+    """Activations alive in checkpointed layer `index`'s forward at its MLP: the saved sets of the layers
+    below (a checkpointed layer's input only), this layer's input, its attention's residual sum and the
+    norm's output, RoPE's cos and sin and the checkpoints' mask."""
+    stream = stream_bytes(workload, spec)
+    held = 0
+    for below in range(index):
+        if is_checkpointed(workload, below):
+            held += stream + selective_kept_bytes(spec, workload)
+        else:
+            held += sum(layer_saved_bytes(spec, workload, below).values())
+    return held + 3 * stream + rope_bytes(spec, workload) + checkpoint_mask_bytes(workload)
+
+
 def rope_bytes(spec: ModelSpec, workload: Workload) -> int:
-    """RoPE's cos and sin (seq x head_dim each; fp32 under autocast), alive through the step."""
+    """RoPE's cos and sin (seq x head_dim each; fp32 under autocast), alive through the step (Llama 4: its
+    complex `freqs_cis`)."""
+    if llama4.is_llama4(spec):
+        return llama4.rope_bytes(spec, workload)
     return 2 * r512(workload.seq * spec.head_dim * (4 if workload.mixed else compute_bytes(workload)))
 
 
@@ -310,7 +378,10 @@ def _final_norm_saved_bytes(spec: ModelSpec, workload: Workload) -> int:
 
 def _final_output_kept_bytes(spec: ModelSpec, workload: Workload) -> int:
     """The final norm's output, kept by lm_head for its weight's gradient in pure precision (under
-    autocast the head keeps a bf16 cast, counted with the logits)."""
+    autocast the head keeps a bf16 cast, counted with the logits; the chunked loss past one sequence
+    keeps each chunk's contiguous copy, counted there too)."""
+    if workload.loss == "chunked" and workload.batch > 1:
+        return 0
     return stream_bytes(workload, spec) if (trains_base_weights(workload) and not workload.mixed) else 0
 
 
@@ -330,12 +401,12 @@ class TrainingActivations:
 def training_activations(spec: ModelSpec, workload: Workload, distill: bool = False) -> TrainingActivations:
     layers = (layer_saved_bytes(spec, workload, 0), layer_saved_bytes(spec, workload, 1))
     saved = (sum(model_saved_bytes(spec, workload, layers).values()) + rope_bytes(spec, workload)
-             + _final_norm_saved_bytes(spec, workload) + checkpoint_mask_bytes(workload))
+             + _final_norm_saved_bytes(spec, workload) + checkpoint_mask_bytes(workload)
+             + llama4.extra_mask_bytes(spec, workload))
     kept_output = _final_output_kept_bytes(spec, workload)
     output = kept_output if distill else stream_bytes(workload, spec)
-    layer = sum(layers[1].values())
-    if spec.is_moe:  # a checkpointed layer's backward has the larger kind's saved set back
-        layer = max(sum(layer_saved_bytes(spec, workload, 1, moe=moe).values()) for moe, _n in spec.layer_kinds())
+    # a checkpointed layer's backward has the largest kind's saved set back
+    layer = largest_layer_saved_bytes(spec, workload)
     # Liger's RoPE leaves K in the compute dtype: the cache holds the very K attention keeps
     cache = (0 if workload.liger else training_cache_bytes(spec, workload)) + masked_cache_bytes(spec, workload)
     return TrainingActivations(forward=saved + output + cache,

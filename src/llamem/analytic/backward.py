@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from llamem.analytic.activations import checkpoint_mask_bytes, compute_bytes, rope_bytes, stream_bytes
 from llamem.analytic.common import r512, trains_base_weights
+from llamem.analytic.llama4 import extra_mask_bytes
 from llamem.analytic.optimizer import layer_gradient_bytes
 from llamem.analytic.selective import selective_kept_bytes
 from llamem.analytic.weights import layer_autocast_copy_bytes
@@ -36,7 +37,8 @@ def checkpointed_backward_moments(spec: ModelSpec, w: Workload, gradient_total_b
     plain layers with their saved sets and, under autocast, their weight copies."""
     if not w.ac_every:
         return []
-    current = _current_layer_bytes(spec, w, layer_saved_bytes) + rope_bytes(spec, w) + checkpoint_mask_bytes(w)
+    current = (_current_layer_bytes(spec, w, layer_saved_bytes) + rope_bytes(spec, w) + checkpoint_mask_bytes(w)
+               + extra_mask_bytes(spec, w))
     temporaries = _layer_backward_temporaries(spec, w)
     # What each checkpoint keeps: its input and, selective, its policy's outputs.
     checkpoint = stream_bytes(w, spec) + selective_kept_bytes(spec, w)

@@ -29,7 +29,10 @@ weights, cast down.
 With checkpointing, a checkpointed layer keeps its input only (its weight copies are recomputed),
 the materialised mask is kept by every one of them, and a layer's backward has most of its saved
 set back (`checkpointed_layer_moments`). The chunked loss compiles the decoder only: the head and
-the loss run per chunk outside it (`chunked_loss_backward_bytes`).
+the loss run per chunk outside it (`chunked_loss_backward_bytes`). Under selective checkpointing a
+checkpointed layer keeps the policy's outputs that backward reads (`selective_layer_saved_bytes`)
+and the decoder's backward moments are its attention recompute and its MLP's weight gradients
+(`selective_layer_moments`), traced on Llama-3.2-1B, TinyLlama and Llama-3.1-8B.
 Left out: inductor's own buffer reuse inside a kernel (a fused chain is one buffer), graph breaks
 other than the one checkpointing causes. Sized for Llama, Mistral, Qwen2 (its q/k/v biases are added
 inside addmm: nothing more is saved) and Qwen3 (q_norm and k_norm keep their inputs and rsqrt per head);
@@ -41,7 +44,8 @@ from __future__ import annotations
 
 from llamem.analytic import activations as act
 from llamem.analytic.common import add_breakdowns, r512, trains_base_weights
-from llamem.analytic.weights import layer_autocast_copy_bytes
+from llamem.analytic.selective import attention_kept_sizes, kept_matmul_outputs
+from llamem.analytic.weights import adapter_dtype, layer_autocast_copy_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import LOSS_CHUNKS, Workload
@@ -93,18 +97,43 @@ def _checkpointed(w: Workload, index: int) -> bool:
     return w.ac_every > 0 and index % w.ac_every == 0
 
 
+def selective_layer_saved_bytes(spec: ModelSpec, w: Workload, index: int) -> int:
+    """What the compiled forward saves of a selectively checkpointed layer beyond its input (traced):
+    SDPA's output and logsumexp, and of the policy's kept matmul outputs those backward reads (the
+    partitioner drops the rest): all but down_proj's, which is saved only where the layer's output
+    is rebuilt from it in backward (the top layer, or one with a plain layer above it)."""
+    top = index == spec.num_layers - 1 or not _checkpointed(w, index + 1)
+    matmuls = sum(size for name, size in kept_matmul_outputs(spec, w)
+                  if top or not name.startswith("down_proj"))
+    return matmuls + sum(attention_kept_sizes(spec, w))
+
+
+def _checkpoint_extra_bytes(spec: ModelSpec, w: Workload) -> int:
+    """Full checkpointing: every checkpoint keeps the materialised mask (compute dtype, b s s).
+    Selective (traced): each checkpointed layer's selective saved set and one int64 b x s tensor
+    (the positions' cumsum); the mask is rebuilt in backward. A plain layer beside them runs SDPA
+    on k and v repeated to the query heads' width (`repeat_kv`), and saves those (e'Tq each, not e'T kv)."""
+    if not w.ac_every:
+        return 0
+    T, ea, _es = _sizes(spec, w)
+    if not w.selective_ac:
+        return r512(ea * w.batch * w.seq * w.seq)
+    layers = [i for i in range(spec.num_layers) if _checkpointed(w, i)]
+    repeated = 2 * (r512(ea * T * spec.q_dim) - r512(ea * T * spec.kv_dim)) * (spec.num_layers - len(layers))
+    return sum(selective_layer_saved_bytes(spec, w, i) for i in layers) + r512(8 * w.batch * w.seq) + repeated
+
+
 def saved_activation_bytes(spec: ModelSpec, w: Workload) -> int:
-    """Every layer's saved set (a checkpointed layer's input only), the embedding output, the final
-    norm's rsqrt and, with checkpointing, the mask the checkpoints keep (compute dtype, b s s)."""
-    T, ea, es = _sizes(spec, w)
+    """Every layer's saved set (a checkpointed layer's input, and what `_checkpoint_extra_bytes`
+    adds), the embedding output and the final norm's rsqrt."""
+    T, _ea, es = _sizes(spec, w)
     plain = [i for i in range(spec.num_layers) if not _checkpointed(w, i)]
     first = layer_saved_bytes(spec, w, 0) if 0 in plain else 0
     rest = layer_saved_bytes(spec, w, 1) * len([i for i in plain if i > 0])
     checkpoints = (spec.num_layers - len(plain)) * r512(es * T * spec.hidden_size)
     # The embedding output is layer 0's input: a checkpoint's own when layer 0 is checkpointed.
     embedding = r512(es * T * spec.hidden_size) if (trains_base_weights(w) and 0 in plain) else 0
-    mask = r512(ea * w.batch * w.seq * w.seq) if w.ac_every else 0
-    return first + rest + checkpoints + embedding + r512(4 * T) + mask
+    return first + rest + checkpoints + embedding + r512(4 * T) + _checkpoint_extra_bytes(spec, w)
 
 
 def _first_norm_output(spec: ModelSpec, w: Workload) -> int:
@@ -167,7 +196,9 @@ def loss_moments(spec: ModelSpec, w: Workload) -> tuple[dict[str, int], dict[str
     activations and logits. Backward: zeros for the logits and the cache, then nll_loss's fp32
     gradient (4 T V)."""
     T = w.batch * w.seq
-    saved = saved_activation_bytes(spec, w) + (0 if w.mixed else _head_input_bytes(spec, w))
+    # In pure precision the head keeps its input; under selective checkpointing that is the decoder's
+    # output, which passes between the two graphs (`decoder_output_bytes`), not another tensor.
+    saved = saved_activation_bytes(spec, w) + (0 if (w.mixed or w.selective_ac) else _head_input_bytes(spec, w))
     cache_extra, cache_zeros = _cache_outputs(spec, w)
     logits = _logits_saved(spec, w)
     forward = {"activations": saved + cache_extra + decoder_output_bytes(spec, w) + _first_norm_output(spec, w),
@@ -235,7 +266,8 @@ def compiled_training_moments(spec: ModelSpec, w: Workload, persistent: dict[str
                                            "logits": chunked_loss_backward_bytes(spec, w)})
     else:
         forward, loss_backward = (add_breakdowns(with_copies, moment) for moment in loss_moments(spec, w))
-    layers = [add_breakdowns(persistent, moment) for moment in checkpointed_layer_moments(spec, w, grads)]
+    moments = (selective_layer_moments if w.selective_ac else checkpointed_layer_moments)(spec, w, grads)
+    layers = [add_breakdowns(persistent, moment) for moment in moments]
     return forward, loss_backward, layers, end_of_backward_extra(spec, w)
 
 
@@ -247,8 +279,10 @@ def end_of_backward_extra(spec: ModelSpec, w: Workload) -> dict[str, int]:
     buffer and the embedding gradient cast from it (a tied head's: beside the head's) are alive.
     A tied head's gradient is then the head graph's output, not yet summed with the embedding's:
     it is counted under logits (where it was made, as `backward.tied_gradient_sum` counts the head's
-    half in eager), not under gradients, which hold it only once the sum replaces it."""
-    if not w.ac_every:
+    half in eager), not under gradients, which hold it only once the sum replaces it. The chunked
+    loss runs the head outside the compiled decoder: its gradient meets the embedding's as with
+    checkpointing."""
+    if not (w.ac_every or w.loss == "chunked"):
         return {"temporaries": embedding_backward_bytes(spec, w)}
     from llamem.analytic.backward import tied_gradient_sum
 
@@ -286,3 +320,95 @@ def checkpointed_layer_moments(spec: ModelSpec, w: Workload, grads: int) -> list
                         "activations": checkpointed_below * stream + plain_below * saved + current + mask,
                         "temporaries": 2 * mlp + r512(ea * T * spec.q_dim)})
     return moments
+
+
+def _held_below_bytes(spec: ModelSpec, w: Workload, index: int) -> int:
+    """Selective checkpointing: what the layers below `index` still hold in its backward, and its
+    own input: checkpoint inputs, selective saved sets, plain layers' saved sets."""
+    T, ea, es = _sizes(spec, w)
+    repeated = 2 * (r512(ea * T * spec.q_dim) - r512(ea * T * spec.kv_dim))
+    held = 0
+    for j in range(index + 1):
+        if _checkpointed(w, j):
+            held += r512(es * T * spec.hidden_size) + (selective_layer_saved_bytes(spec, w, j) if j < index else 0)
+        else:
+            held += layer_saved_bytes(spec, w, j) + repeated
+    return held
+
+
+def _own_gradient_bytes(spec: ModelSpec, w: Workload, names: tuple[str, ...]) -> int:
+    """Gradients of the named linears of one layer (adapters' under LoRA), in their storage dtype."""
+    shapes = spec.layer_linear_shapes()
+    if not trains_base_weights(w):
+        ab, r = DTYPE_BYTES[adapter_dtype(w)], w.lora_rank
+        return sum(r512(ab * r * shapes[n][0]) + r512(ab * r * shapes[n][1]) for n in names if n in w.lora_targets)
+    return sum(r512(DTYPE_BYTES[w.weight_dtype] * shapes[n][0] * shapes[n][1]) for n in names)
+
+
+def _head_gradients(spec: ModelSpec, w: Workload) -> dict[str, int]:
+    """The head's and the final norm's gradients through the decoder's backward: a tied head's is
+    the head graph's output, counted under logits (beside the loss gradient's seed, 512 bytes)."""
+    if not trains_base_weights(w):
+        return {"logits": 512}
+    wb = DTYPE_BYTES[w.weight_dtype]
+    head = r512(wb * spec.vocab_size * spec.hidden_size)
+    tied = spec.tie_word_embeddings
+    return {"logits": 512 + (head if tied else 0), "gradients": r512(wb * spec.hidden_size) + (0 if tied else head)}
+
+
+def _selective_attention_moment(spec: ModelSpec, w: Workload, grads: int, index: int) -> dict[str, int]:
+    """A selectively checkpointed layer's attention backward (traced): the mask rebuilt (e' b s^2), q
+    and k, v repeated to the query heads' width and SDPA's three input gradients, with the output's
+    gradient (e'Tq each: four activations and four temporaries under autocast, three and five in pure
+    precision, four and five with LoRA);
+    its MLP's, o_proj's and post-attention norm's gradients are made, the layers' above too."""
+    from llamem.analytic.optimizer import layer_gradient_bytes
+
+    T, ea, es = _sizes(spec, w)
+    wide = r512(ea * T * spec.q_dim)
+    # Pure-precision LoRA: frozen norms need not keep the layer's input (layer 0's, the embedding
+    # output, stays), and one more wide tensor is held.
+    lora_pure = not (w.mixed or trains_base_weights(w))
+    held = 4 if (w.mixed or lora_pure) else 3
+    freed_input = r512(es * T * spec.hidden_size) if (lora_pure and index > 0) else 0
+    own = _own_gradient_bytes(spec, w, ("o_proj", "gate_proj", "up_proj", "down_proj"))
+    own += r512(DTYPE_BYTES[w.weight_dtype] * spec.hidden_size) if trains_base_weights(w) else 0
+    head = _head_gradients(spec, w)
+    above = (spec.num_layers - 1 - index) * layer_gradient_bytes(spec, w, grads)
+    plain_below = len([j for j in range(index) if not _checkpointed(w, j)])
+    copies = plain_below * layer_autocast_copy_bytes(spec) + r512(2 * spec.kv_dim * spec.hidden_size) if w.mixed else 0
+    activations = (_held_below_bytes(spec, w, index) + sum(attention_kept_sizes(spec, w))
+                   + r512(ea * w.batch * w.seq * w.seq) + held * wide + 512 - freed_input)
+    return {"gradients": head.get("gradients", 0) + above + own, "logits": head["logits"],
+            "weights/autocast_copies": copies, "activations": activations, "temporaries": (4 if w.mixed else 5) * wide}
+
+
+def _selective_mlp_moment(spec: ModelSpec, w: Workload, grads: int) -> dict[str, int]:
+    """The top layer's MLP backward (traced), the final norm's rsqrt gone. LoRA: its recompute holds
+    the saved set's place, with two MLP-sized gradients (pure precision also the incoming one,
+    e'Th) and, under autocast, the bf16 copies of an MLP weight and of a q-sized one. Full
+    fine-tuning: the last MLP weight gradient made, its gate and down outputs consumed; under
+    autocast the bf16 gradient beside its fp32 cast (the three MLP gradients fp32), in pure
+    precision an MLP-sized gradient and two e'Th ones."""
+    T, ea, _es = _sizes(spec, w)
+    h, inter = spec.hidden_size, spec.intermediate_size
+    head = _head_gradients(spec, w)
+    copies = r512(2 * spec.q_dim * h) if w.mixed else 0
+    activations = saved_activation_bytes(spec, w) - r512(4 * T)
+    if not trains_base_weights(w):
+        return {"logits": head["logits"], "weights/autocast_copies": copies + (r512(2 * inter * h) if w.mixed else 0),
+                "activations": activations,
+                "temporaries": 2 * r512(ea * T * inter) + (0 if w.mixed else r512(ea * T * h))}
+    own = _own_gradient_bytes(spec, w, ("gate_proj", "up_proj", "down_proj"))
+    activations -= r512(ea * T * inter) + (r512(ea * T * h) if w.mixed else 0)
+    temporaries = r512(2 * inter * h) if w.mixed else r512(ea * T * inter) + 2 * r512(ea * T * h)
+    return {"gradients": head["gradients"] + own, "logits": head["logits"], "weights/autocast_copies": copies,
+            "activations": activations, "temporaries": temporaries}
+
+
+def selective_layer_moments(spec: ModelSpec, w: Workload, grads: int) -> list[dict[str, int]]:
+    """The decoder backward's moments under compiled selective checkpointing: the top layer's MLP
+    (where it is checkpointed), the top and the bottom checkpointed layer's attention."""
+    layers = [i for i in range(spec.num_layers) if _checkpointed(w, i)]
+    top = [_selective_mlp_moment(spec, w, grads)] if layers[-1] == spec.num_layers - 1 else []
+    return top + [_selective_attention_moment(spec, w, grads, i) for i in sorted({layers[-1], layers[0]}, reverse=True)]

@@ -7,21 +7,27 @@ caches what depends on the parameters alone.
 
 from __future__ import annotations
 
-from llamem.analytic.activations import stream_bytes, training_activations
+from llamem.analytic import llama4
+from llamem.analytic.activations import checkpointed_layer_held_bytes, stream_bytes, training_activations
 from llamem.analytic.attention_paths import attention_notes, extra_input_bytes, packed_shape
 from llamem.analytic.backward import checkpointed_backward_moments, tied_gradient_sum
 from llamem.analytic.common import add_breakdowns, r512
 from llamem.analytic.compiled import compiled_training_moments
-from llamem.analytic.in_backward import end_of_backward_moments, head_gradient_moments, layer_gradient_in_backward
+from llamem.analytic.in_backward import (compiled_in_backward_moments, end_of_backward_moments, head_gradient_moments,
+                                         layer_gradient_in_backward)
 from llamem.analytic.kv_cache import decode_moment
 from llamem.analytic.liger import liger_top_layer_backward, liger_top_layer_forward, liger_uncached_copy_bytes
+from llamem.analytic.llama4_moments import moe_backward_moments as llama4_moe_backward_moments
+from llamem.analytic.llama4_moments import moe_forward_moment as llama4_moe_forward_moment
 from llamem.analytic.logits import decode_logits_bytes, training_logits
-from llamem.analytic.moe import check_moe
+from llamem.analytic.moe import check_moe, moe_forward_stages
 from llamem.analytic.moe_backward import moe_backward_moments
+from llamem.analytic.moe_lora import adapts_experts, expert_lora_forward_moments, last_checkpointed_moe_layer
 from llamem.analytic.offload import host_phase_bytes, offload_note, offloaded_activations, offloaded_layer_moments
 from llamem.analytic.optimizer import gradient_bytes, optimizer_phase_temporary_bytes, optimizer_state_bytes
 from llamem.analytic.prefill import prefill_moment
-from llamem.analytic.weights import autocast_copies_in_backward_bytes, autocast_copy_bytes, weight_breakdown
+from llamem.analytic.weights import (autocast_copies_in_backward_bytes, autocast_copy_bytes, frozen_base_copies,
+                                     weight_breakdown)
 from llamem.model import ModelSpec
 from llamem.report import MemoryReport
 from llamem.workload import Workload
@@ -96,20 +102,30 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
     logits = training_logits(spec, w, distill=teacher is not None)
     inputs = {"inputs": _input_ids_bytes(w)}
     persistent = add_breakdowns(weights, state, {"gradients": grads if w.grad_accum > 1 else 0}, inputs)
-    forward = add_breakdowns(persistent, {"weights/autocast_copies": copies + logits.forward_weight_casts,
+    # LoRA over fp32 weights under autocast: frozen weights' casts are not cached (`weights.py`)
+    frozen_copies = frozen_base_copies(spec, w, copies)
+    forward_copies = frozen_copies[0] if frozen_copies else copies
+    forward = add_breakdowns(persistent, {"weights/autocast_copies": forward_copies + logits.forward_weight_casts,
                                 "activations": activations.forward, "logits": logits.forward_peak,
                                 "gradients": logits.forward_gradient})
     if w.liger and w.uses_adapters:
         forward = _worst(forward, add_breakdowns(persistent, {"weights/autocast_copies": copies},
                                                  liger_top_layer_forward(spec, w, activations.forward)))
     copies_in_backward = autocast_copies_in_backward_bytes(spec, w, copies) - liger_uncached_copy_bytes(spec, w)
+    if frozen_copies:
+        copies_in_backward = frozen_copies[1]
+    if llama4.is_llama4(spec):  # its experts' blocks: the worst moments of forward and backward (`llama4_moments.py`)
+        copies_in_backward = llama4.autocast_copies_in_backward_bytes(spec, w, copies)
+        forward = _worst(forward, add_breakdowns(persistent, llama4_moe_forward_moment(spec, w)))
+    if not w.offload_activations:  # a checkpointed layer's adapted experts, built whole (`moe_lora.py`)
+        forward = _worst(forward, *_expert_lora_forward(spec, w, persistent, copies))
     loss_backward = add_breakdowns(persistent, {"weights/autocast_copies": copies_in_backward,
                                       "activations": activations.backward, "logits": logits.backward_peak,
                                       "gradients": logits.forward_gradient,
                                       "temporaries": logits.backward_temporaries})
     layer_backward = [add_breakdowns(persistent, moment)
                       for moment in checkpointed_backward_moments(spec, w, grads, activations.layer)
-                      + moe_backward_moments(spec, w, grads)]
+                      + _moe_backward_moments(spec, w, grads)]
     if w.liger and not w.ac_every:  # Liger's RMSNorm: the top layer's backward is worse than the loss's
         layer_backward.append(add_breakdowns(persistent, {"weights/autocast_copies": copies_in_backward},
                                              liger_top_layer_backward(spec, w, activations.backward,
@@ -121,8 +137,11 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
         forward, loss_backward, layer_backward, compiled_end = compiled_training_moments(
             spec, w, persistent, copies, grads, logits.forward_peak)
     if w.optimizer_in_backward:
-        backward = _in_backward_moments(spec, w, persistent, layer_backward, activations.backward,
-                                        copies_in_backward)
+        if w.compile:  # the compiled backward returns every gradient at once (`in_backward.py`)
+            backward = compiled_in_backward_moments(spec, w, persistent, grads, compiled_end, layer_backward, copies)
+        else:
+            backward = _in_backward_moments(spec, w, persistent, layer_backward, activations.backward,
+                                            copies_in_backward)
         # Every parameter was stepped in backward: what the step leaves is all that is alive.
         return {"load": dict(weights), "forward": forward, "backward": _worst(loss_backward, *backward),
                 "optimizer": add_breakdowns(weights, state)}
@@ -132,6 +151,23 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
                                       "temporaries": optimizer_phase_temporary_bytes(spec, w, grads)})
     return {"load": dict(weights), "forward": forward,
             "backward": _worst(loss_backward, *layer_backward, end_of_backward), "optimizer": optimizer}
+
+
+def _expert_lora_forward(spec: ModelSpec, w: Workload, persistent: dict[str, int],
+                         copies: int) -> list[dict[str, int]]:
+    """The forward's moments in the highest checkpointed MoE layer with adapted experts (none without)."""
+    index = last_checkpointed_moe_layer(spec, w)
+    if index is None:
+        return []
+    held = checkpointed_layer_held_bytes(spec, w, index)
+    stages = moe_forward_stages(spec, w, w.batch * w.seq)
+    return [add_breakdowns(persistent, {"weights/autocast_copies": copies}, moment)
+            for moment in expert_lora_forward_moments(spec, w, held, stages)]
+
+
+def _moe_backward_moments(spec: ModelSpec, w: Workload, grads: int) -> list[dict[str, int]]:
+    """Mixture-of-experts layers' backward moments (Llama 4's blocks apart: `llama4_moments.py`)."""
+    return (llama4_moe_backward_moments if llama4.is_llama4(spec) else moe_backward_moments)(spec, w, grads)
 
 
 def _in_backward_moments(spec: ModelSpec, w: Workload, persistent: dict[str, int], layer_backward: list[dict],
@@ -147,7 +183,8 @@ def _in_backward_moments(spec: ModelSpec, w: Workload, persistent: dict[str, int
 
 
 def _inference_phases(spec: ModelSpec, w: Workload, weights: dict[str, int]) -> dict[str, dict[str, int]]:
-    inputs = {"inputs": _input_ids_bytes(w)}
+    # generate() builds the cache first: Llama 4's chunked layers each hold a window tensor from then on
+    inputs = {"inputs": _input_ids_bytes(w) + llama4.cache_window_bytes(spec)}
     phases = {"load": dict(weights), "prefill": add_breakdowns(weights, inputs, prefill_moment(spec, w))}
     if w.new_tokens > 1:
         phases["decode"] = add_breakdowns(weights, inputs, decode_moment(spec, w), {"logits": decode_logits_bytes(spec, w)})
@@ -172,7 +209,9 @@ def _weights(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None) -> 
 def _static_training_bytes(spec: ModelSpec, w: Workload) -> tuple[dict[str, int], int, int]:
     """Optimizer state, gradients and autocast copies depend on the parameters only: cached,
     because sweeps (planner, batch finder) vary the shape and keep the model."""
-    key = ("train",) + _static_key(spec, w)
+    # adapted experts' cast factors are kept by the layers that are not checkpointed
+    key = ("train", w.ac_every if adapts_experts(w) else 0, w.loss, w.liger) + _static_key(spec, w)
     if key not in _STATIC_CACHE:
-        _STATIC_CACHE[key] = (optimizer_state_bytes(spec, w), gradient_bytes(spec, w), autocast_copy_bytes(spec, w))
+        copies = llama4.autocast_copy_bytes(spec, w) if llama4.is_llama4(spec) else autocast_copy_bytes(spec, w)
+        _STATIC_CACHE[key] = (optimizer_state_bytes(spec, w), gradient_bytes(spec, w), copies)
     return _STATIC_CACHE[key]

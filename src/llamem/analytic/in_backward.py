@@ -15,13 +15,19 @@ The moments that can then be the worst of backward, beyond the loss's and a chec
 - the embedding's gradient at the end of backward, and its step (a tied head's two gradients are
   summed first, out of place, as without the hook).
 Traced on transformers 5.x and torch 2.13 (tests/test_optim_variants.py).
+
+Under `--compile` no hook fires inside the compiled graph: its backward hands out every gradient it
+makes when it returns, so backward's moments are the compiled ones (`analytic.compiled`, gradients
+as without the hook) and then the first step with every gradient alive (`compiled_in_backward_moments`).
 """
 
 from __future__ import annotations
 
-from llamem.analytic.common import r512, trains_base_weights
+from llamem.analytic.common import add_breakdowns, r512, trains_base_weights
+from llamem.analytic.compiled import copies_kept_bytes, decoder_output_bytes, saved_activation_bytes
 from llamem.analytic.liger import liger_bytes
-from llamem.analytic.optimizer import one_tensor_step_bytes
+from llamem.analytic.optimizer import one_tensor_step_bytes, param_dtype
+from llamem.analytic.weights import trainable_numels
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import Workload
@@ -86,3 +92,40 @@ def layer_gradient_in_backward(spec: ModelSpec, w: Workload) -> tuple[int, int]:
         return 0, 0
     own = r512(DTYPE_BYTES[w.weight_dtype] * spec.hidden_size * spec.intermediate_size)
     return own, one_tensor_step_bytes(w, own)
+
+
+def compiled_in_backward_moments(spec: ModelSpec, w: Workload, persistent: dict[str, int], grads: int,
+                                 end_extra: dict[str, int], layer_backward: list[dict[str, int]],
+                                 copies: int) -> list[dict[str, int]]:
+    """Backward's moments under `--compile` beyond the loss's (`layer_backward`: the compiled ones).
+    No hook fires inside a compiled graph: its backward returns every gradient it made together, and
+    the hooks then step them one by one, the first (traced, torch 2.13: the largest, the embedding's or
+    the head's) beside all the others. Without checkpointing the whole model is one graph: the end of
+    backward as without the hook (`compiled.end_of_backward_extra`), then that first step. With
+    checkpointing the head is a graph of its own (`compiled.decoder_output_bytes`): an untied head's
+    gradient is stepped as soon as that graph returns, beside the decoder's saved set, the plain layers'
+    weight copies and the hidden states' gradient (s'Th), and is gone from every later moment."""
+    head = _separate_head_bytes(spec, w)
+    rest = grads - head
+    layers = [{**moment, "gradients": moment.get("gradients", 0) - head} for moment in layer_backward]
+    moments = [add_breakdowns({"gradients": rest}, end_extra),
+               {"gradients": rest, "temporaries": one_tensor_step_bytes(w, _largest_tensor_bytes(spec, w))}]
+    if head:
+        head_copy = r512(2 * spec.lm_head_params) if w.mixed else 0  # released with the head's backward
+        moments.append({"weights/autocast_copies": copies_kept_bytes(spec, w, copies) - head_copy,
+                        "activations": saved_activation_bytes(spec, w),
+                        "logits": decoder_output_bytes(spec, w),  # its gradient
+                        "gradients": head, "temporaries": one_tensor_step_bytes(w, head)})
+    return layers + [add_breakdowns(persistent, moment) for moment in moments]
+
+
+def _separate_head_bytes(spec: ModelSpec, w: Workload) -> int:
+    """An untied trained head's gradient where the head is a compiled graph of its own (checkpointing)."""
+    if not (w.ac_every and trains_base_weights(w) and spec.lm_head_params) or spec.tie_word_embeddings:
+        return 0
+    return r512(DTYPE_BYTES[w.weight_dtype] * spec.lm_head_params)
+
+
+def _largest_tensor_bytes(spec: ModelSpec, w: Workload) -> int:
+    """The largest trainable tensor (the embedding's: a stepped head's twin)."""
+    return r512(DTYPE_BYTES[param_dtype(spec, w)] * max(trainable_numels(spec, w)))

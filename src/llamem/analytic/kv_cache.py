@@ -15,6 +15,8 @@ transformers builds in training (`use_cache` defaults to True).
 from __future__ import annotations
 
 from llamem.analytic.common import prefill_chunks, r512
+from llamem.analytic.llama4 import cache_tokens, cache_window, cache_window_bytes, is_llama4, layer_cache_tokens
+from llamem.analytic.llama4 import old_tensors_alive as llama4_old_tensors_alive
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import Workload
@@ -26,9 +28,22 @@ RESIDUAL_TOKENS = 128
 def stored_tokens(spec: ModelSpec, end: int, new: int = 1) -> int:
     """Tokens one layer's K (or V) storage holds after a forward of `new` tokens ending at prompt
     position `end` (a decode step: new = 1)."""
-    if not spec.sliding_window or end <= new:
-        return end
-    return min(end - new, spec.sliding_window - 1) + new
+    return cache_tokens(spec.sliding_window or None, end, new)
+
+
+def layer_stored_tokens(spec: ModelSpec, index: int, end: int, new: int = 1) -> int:
+    """`stored_tokens` of layer `index` (Llama 4: its chunked layers' window is the chunk size, its global
+    layers have none)."""
+    if is_llama4(spec):
+        return layer_cache_tokens(spec, end, new)[index]
+    return stored_tokens(spec, end, new)
+
+
+def cache_bytes_at(spec: ModelSpec, batch: int, end: int, new: int, kv_dtype: str) -> int:
+    """Every layer's K and V after a forward of `new` tokens ending at `end`, each layer by its window."""
+    if is_llama4(spec):
+        return 2 * sum(kv_layer_tensor_bytes(spec, batch, kept, kv_dtype) for kept in layer_cache_tokens(spec, end, new))
+    return kv_cache_bytes(spec, batch, stored_tokens(spec, end, new), kv_dtype)
 
 
 def kv_layer_tensor_bytes(spec: ModelSpec, batch: int, kept: int, kv_dtype: str) -> int:
@@ -49,8 +64,15 @@ def kv_cache_bytes(spec: ModelSpec, batch: int, kept: int, kv_dtype: str = "bf16
 
 def old_tensors_alive(spec: ModelSpec) -> int:
     """Old cache tensors of one layer alive while it grows: DynamicLayer replaces K before making the
-    new V; DynamicSlidingWindowLayer makes both before replacing either."""
-    return 2 if spec.sliding_window else 1
+    new V; DynamicSlidingWindowLayer makes both before replacing either (Llama 4's chunked layers are ones)."""
+    return 2 if spec.sliding_window else llama4_old_tensors_alive(spec)
+
+
+def layer_old_tensors_alive(spec: ModelSpec, index: int) -> int:
+    """`old_tensors_alive` of layer `index` (Llama 4's global layers are DynamicLayers)."""
+    if is_llama4(spec):
+        return 2 if cache_window(spec, index) is not None else 1
+    return old_tensors_alive(spec)
 
 
 def repeated_kv_bytes(spec: ModelSpec, batch: int, keys: int, compute_bytes: int) -> int:
@@ -67,6 +89,8 @@ def decode_moment(spec: ModelSpec, w: Workload) -> dict[str, int]:
     4 layers, window 256, batch 2, a 700-token prompt: traced 27,918,336 B beyond the weights,
     counted 28,084,224; adding the maxima gave 33,818,624)."""
     final = w.seq + w.new_tokens - 1
+    if is_llama4(spec) and w.new_tokens > 1:
+        return {"temporaries": 0, "kv_cache": _layerwise_decode_bytes(spec, w)}
     moments = [_last_step_moment(spec, w, final)]
     if spec.sliding_window:
         _chunk, last = prefill_chunks(w)
@@ -75,6 +99,23 @@ def decode_moment(spec: ModelSpec, w: Workload) -> dict[str, int]:
         if w.attn == "eager":
             moments.append(_first_layer_attention_moment(spec, w, before, after))
     return max(moments, key=lambda moment: sum(moment.values()))
+
+
+def _layerwise_decode_bytes(spec: ModelSpec, w: Workload) -> int:
+    """The cache at its largest in a decode step, layer by layer (Llama 4's windowed and global layers): in
+    the first step (the prompt's storage still whole in the windowed layers) or the last (the global
+    layers longest), while one layer grows, the layers below it updated, those above not yet."""
+    _chunk, last = prefill_chunks(w)
+    steps = [(w.seq + 1, last), (w.seq + w.new_tokens - 1, 1)]
+    worst = 0
+    for end, previous in steps:
+        before = [kv_layer_tensor_bytes(spec, w.batch, kept, w.kv_dtype)
+                  for kept in layer_cache_tokens(spec, end - 1, previous)]
+        after = [kv_layer_tensor_bytes(spec, w.batch, kept, w.kv_dtype) for kept in layer_cache_tokens(spec, end)]
+        for i in range(spec.num_layers):
+            others = 2 * (sum(after[:i]) + sum(before[i + 1:]))
+            worst = max(worst, others + layer_old_tensors_alive(spec, i) * before[i] + 2 * after[i])
+    return worst
 
 
 def _growth_bytes(spec: ModelSpec, w: Workload, before: int, after: int) -> int:
@@ -114,6 +155,8 @@ def training_cache_bytes(spec: ModelSpec, w: Workload) -> int:
     bf16 cast), so it costs extra bytes; otherwise the cache's K and V are the very tensors
     attention saves. The chunked loss calls the decoder directly and drops its output, cache
     included, first."""
-    if not (w.mixed and not w.ac_every and w.loss == "full"):
+    if w.ac_every or w.loss != "full":
         return 0
-    return spec.num_layers * r512(4 * w.batch * w.seq * spec.kv_dim)
+    if is_llama4(spec):  # its K and V reach the cache in the compute dtype; its chunked layers add a tensor each
+        return cache_window_bytes(spec)
+    return spec.num_layers * r512(4 * w.batch * w.seq * spec.kv_dim) if w.mixed else 0

@@ -7,7 +7,8 @@ With T tokens and V the vocabulary, at the end of the forward pass:
   + log_softmax output (4 T V, saved).
 In backward, nll_loss's gradient (4TV) and log_softmax's (4TV) sit beside the saved output.
 Chunked loss (torchtune's CEWithChunkedOutputLoss, 8 chunks) upcasts one chunk at a time but
-still keeps every chunk's log_softmax output. Liger's fused linear cross-entropy (`--liger`,
+still keeps every chunk's log_softmax output; past one sequence each chunk of the head's input and
+of the labels is a copy (the chunks are strided). Liger's fused linear cross-entropy (`--liger`,
 `llamem.analytic.liger`) never makes the full logits: a chunk of rows at a time, its gradients
 made in forward. Generation computes the logits of the last token only.
 """
@@ -74,7 +75,7 @@ def _head_input_bytes(spec: ModelSpec, workload: Workload) -> int:
 def _labels_bytes(workload: Workload) -> int:
     """ForCausalLMLoss pads and shifts the labels (two int64 copies); nll_loss adds its scalars."""
     T = workload.batch * workload.seq
-    return r512(8 * workload.batch * (workload.seq + 1)) + r512(8 * T) + 2 * 512
+    return _padded_labels_bytes(workload) + r512(8 * T) + 2 * 512
 
 
 def _full_loss(spec: ModelSpec, workload: Workload, head_input: int) -> LogitsBytes:
@@ -122,14 +123,80 @@ def _chunked_loss(spec: ModelSpec, workload: Workload, head_input: int) -> Logit
     e_logits = _logits_bytes_per_element(workload)
     lsm = r512(4 * workload.batch * workload.seq * vocab)
     chunk = -(-workload.seq // LOSS_CHUNKS) * workload.batch * vocab
-    # In pure precision the previous chunk's head output is still referenced while the next
-    # chunk's is made (seen in traces; under autocast the cast chain releases it earlier).
-    held = 1 if workload.mixed else 2
-    forward_peak = (head_input + lsm + held * r512(e_logits * chunk)
-                    + (r512(4 * chunk) if e_logits < 4 else 0))
-    backward_peak = (head_input + lsm + r512(4 * chunk) + r512(e_logits * chunk)
-                     + _chunked_head_gradient_bytes(spec, workload))
+    if not workload.mixed:
+        return LogitsBytes(_pure_chunked_forward_peak(spec, workload, lsm, chunk), lsm,
+                           _pure_chunked_backward_peak(spec, workload))
+    # as without autocast: the padded labels (copied per chunk past one sequence), nll_loss's totals, the sum
+    labels = _padded_labels_bytes(workload) + LOSS_CHUNKS * 512
+    forward_peak = (head_input + lsm + r512(e_logits * chunk) + r512(4 * chunk) + labels
+                    + (LOSS_CHUNKS - 1) * _chunk_copy_bytes(spec, workload)[1])
+    if trains_base_weights(workload):
+        backward_peak = (head_input + lsm + r512(4 * chunk) + r512(e_logits * chunk)
+                         + _chunked_head_gradient_bytes(spec, workload))
+    else:  # a frozen head (LoRA): as without autocast (its per-chunk casts are weights/autocast_copies)
+        backward_peak = _pure_chunked_backward_peak(spec, workload)
     return LogitsBytes(forward_peak, head_input + lsm, backward_peak)
+
+
+def _padded_labels_bytes(workload: Workload) -> int:
+    """The labels padded by one position (int64) before they are shifted."""
+    return r512(8 * workload.batch * (workload.seq + 1))
+
+
+def _pure_chunked_forward_peak(spec: ModelSpec, workload: Workload, lsm: int, chunk: int) -> int:
+    """The chunked loss's forward without autocast (traced). In 16-bit precision the worst moment is
+    the last chunk's upcast: the previous chunk's fp32 logits are still referenced (a chunk's
+    log_softmax output in size) beside the new head output and its upcast, the labels padded, each
+    earlier chunk's nll_loss weight total and the running sum. In fp32 the upcast is the head output
+    itself: the end of the loss, every log_softmax output and the last chunk's logits, three more
+    scalars (the last nll_loss's output and weight total, the sum). Past one sequence, the chunks'
+    copies (`_chunk_copy_bytes`)."""
+    C, labels = LOSS_CHUNKS, _padded_labels_bytes(workload)
+    hidden_copy, labels_copy = _chunk_copy_bytes(spec, workload)
+    if workload.compute_dtype == "fp32":
+        return lsm + r512(4 * chunk) + labels + (C + 3) * 512 + C * (hidden_copy + labels_copy)
+    e_logits = _logits_bytes_per_element(workload)
+    return (lsm + r512(e_logits * chunk) + r512(4 * chunk) + labels + C * 512
+            + C * hidden_copy + (C - 1) * labels_copy)
+
+
+def _chunk_copy_bytes(spec: ModelSpec, workload: Workload) -> tuple[int, int]:
+    """(hidden, labels): what one chunk keeps of its contiguous copies when the batch has more than one
+    sequence (a chunk of the sequence dimension is then strided): the head's input, kept for its weight's
+    gradient when the head trains, and the int64 labels, kept by nll_loss."""
+    if workload.batch == 1:
+        return 0, 0
+    tokens = -(-workload.seq // LOSS_CHUNKS) * workload.batch
+    hidden = r512(_logits_bytes_per_element(workload) * tokens * spec.hidden_size)
+    return (hidden if trains_base_weights(workload) else 0), r512(8 * tokens)
+
+
+def _pure_chunked_backward_peak(spec: ModelSpec, workload: Workload) -> int:
+    """The chunked loss's backward without autocast, or with it under a frozen head, chunk by chunk
+    (traced): chunk j's nll_loss and log_softmax gradients beside the log_softmax outputs not yet
+    consumed, then its head weight gradient summed out of place with the running sum (three head-sized
+    tensors at once from the second chunk on), while split's backward keeps every chunk's gradient of
+    the hidden states until the last. A frozen head (LoRA) makes no weight gradient. Chunks not yet
+    reached keep their copies (`_chunk_copy_bytes`; chunk j's labels die with its nll_loss backward, its
+    input with the head's). The worst of these moments."""
+    C, e = LOSS_CHUNKS, _logits_bytes_per_element(workload)
+    tokens = -(-workload.seq // C) * workload.batch
+    chunk_lsm, cast = r512(4 * tokens * spec.vocab_size), r512(e * tokens * spec.vocab_size)
+    head = r512(e * spec.vocab_size * spec.hidden_size) if trains_base_weights(workload) else 0
+    hidden = r512(e * tokens * spec.hidden_size)
+    hidden_copy, labels_copy = _chunk_copy_bytes(spec, workload)
+    # the padded labels outlive the forward only through views, when the chunks need no copies
+    labels = 0 if labels_copy else _padded_labels_bytes(workload)
+    moments = []
+    for j in range(1, C + 1):
+        held = (C - j + 3) * 512 + labels + (C - j) * labels_copy + (C - j + 1) * hidden_copy
+        running = head if j > 1 else 0
+        moments.append((C - j + 1) * chunk_lsm + 2 * chunk_lsm + running + (j - 1) * hidden + held)
+        if j == 1:
+            moments.append((C - 1) * chunk_lsm + head + hidden + cast + held)
+        else:
+            moments.append((C - j) * chunk_lsm + 3 * head + j * hidden + held - hidden_copy)
+    return max(moments)
 
 
 def _chunked_head_gradient_bytes(spec: ModelSpec, workload: Workload) -> int:

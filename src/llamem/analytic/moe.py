@@ -22,19 +22,23 @@ kernel over the sorted pairs, so the memory does not depend on the routing (the 
 `eager` path would, and is not what transformers runs). The trace's random routing therefore
 gives the same bytes as any other route, and the accuracy rows compare like with like.
 
-Llama 4 (`llama4_text`) is refused: its MoE block is routing-independent too (every expert sees every
-token, two batched matmuls, a shared expert), but its attention (RoPE as complex fp32 products, L2
-q/k norms, chunked-attention masks, temperature tuning on its NoPE layers) is not modelled yet; the
-trace engine sizes it.
+Llama 4 (`llama4_text`) is sized apart (`llama4.py`, `llama4_moments.py`): its MoE block is not this grouped_mm
+path but `Llama4TextMoe`, where every expert sees every token (the input repeated E times, two torch.bmm over
+the E experts, sigmoid router scores, a shared expert beside them), so its tensors are E T wide and its worst
+moments lie inside the blocks; its attention (RoPE as complex fp32 products, L2 q/k norms, chunked masks,
+temperature tuning on the NoPE layers) differs too. What no accuracy row holds is refused by name there.
 
 `output_router_logits` (default False in every config class) would keep every layer's router logits
-for the auxiliary loss: not modelled, so refused. LoRA on the fused 3-D experts needs peft's
-`target_parameters`, which `--lora-targets` does not offer: attention targets are sized.
+for the auxiliary loss: not modelled, so refused. LoRA on the fused 3-D experts is `--lora-targets experts`
+(peft's `target_parameters`, `moe_lora.py`); attention targets are sized as for a dense model.
 """
 
 from __future__ import annotations
 
 from llamem.analytic.common import r512, trains_base_weights
+from llamem.analytic.llama4 import problems as llama4_problems
+from llamem.analytic.moe_lora import (adapts_experts, expert_lora_problems, expert_lora_saved_bytes,
+                                      frozen_router_saved_bytes)
 from llamem.dtypes import DTYPE_BYTES
 from llamem.errors import InvalidWorkload
 from llamem.model import ModelSpec
@@ -53,22 +57,19 @@ def check_moe(spec: ModelSpec, workload: Workload, role: str = "model") -> None:
 def moe_problems(spec: ModelSpec, workload: Workload, role: str = "model") -> list[str]:
     """What the analytic engine does not size for this mixture of experts (none for a dense model); the
     planner leaves such settings out of its search."""
-    if not spec.is_moe:
-        return []
-    if spec.model_type == "llama4_text":
-        return [f"{spec.name} ({role}) is a Llama 4 model: the analytic engine does not model its attention (complex "
-                "RoPE in fp32, L2 q/k norms, chunked-attention masks). Use the trace engine, which runs the "
-                f"transformers model on fake tensors: `llamem trace {spec.hf_id or spec.name} ...` with the same "
-                "options"]
+    if not spec.is_moe or (adapts_experts(workload) and spec.model_type == "llama4_text"):
+        return expert_lora_problems(spec, workload, analytic=True)
     problems = transformers_moe_problems(spec, workload)
+    if spec.model_type == "llama4_text":  # its own terms (`llama4.py`) and what they are not held to the trace for
+        problems += llama4_problems(spec, workload, role)
     if spec.config.get("output_router_logits"):
         problems.append(f"{spec.name} ({role}) sets output_router_logits: every layer's router logits kept for "
                         "the auxiliary loss are not modelled; use `llamem trace`, or set it false")
     mlp_targets = [t for t in workload.lora_targets if t in _MLP_TARGETS]
-    if workload.uses_adapters and mlp_targets:
+    if workload.uses_adapters and mlp_targets and spec.model_type != "llama4_text":
         problems.append(f"--lora-targets {','.join(mlp_targets)}: {spec.name}'s experts are fused 3-D parameters, "
-                        "not Linear modules (peft adapts them only through target_parameters); adapt attention "
-                        "(q_proj,k_proj,v_proj,o_proj)")
+                        "not Linear modules: adapt them with --lora-targets experts (peft's target_parameters), "
+                        "and adapt attention with q_proj,k_proj,v_proj,o_proj")
     for flag, on in _unverified_settings(workload):
         if on:
             problems.append(f"{flag} with a mixture of experts is not modelled by the analytic engine: "
@@ -90,7 +91,7 @@ def transformers_moe_problems(spec: ModelSpec, workload: Workload) -> list[str]:
     fused experts (MixtralExperts, Qwen3MoeExperts) run torch's grouped_mm by default, which takes bf16 only
     (torch.nn.functional.grouped_mm); bitsandbytes quantizes nn.Linear modules, not fused 3-D experts."""
     if not spec.is_moe:
-        return []
+        return expert_lora_problems(spec, workload)
     problems = []
     if workload.weight_dtype != "bf16" and spec.model_type != "llama4_text":
         problems.append(f"{spec.model_type} runs its experts with torch's grouped_mm, which takes bf16 only: "
@@ -108,8 +109,11 @@ def _normalises_top_k(spec: ModelSpec) -> bool:
 
 def moe_saved_bytes(spec: ModelSpec, workload: Workload, trains: bool, needs_grad: bool) -> int:
     """What autograd keeps of one mixture-of-experts block (router, dispatch, experts; not its input,
-    which the router's Linear keeps like any MLP input). `trains`: the block's weights train;
-    `needs_grad`: its input needs a gradient."""
+    which the router's Linear keeps like any MLP input). `trains`: the block's weights train (adapted
+    experts add their adapted weights, `moe_lora.py`); `needs_grad`: its input needs a gradient."""
+    if adapts_experts(workload) and not (trains or needs_grad):
+        return frozen_router_saved_bytes(spec, workload, routing_weight_bytes(spec, workload))
+    trains = trains or adapts_experts(workload)
     if not (trains or needs_grad):
         return 0
     T, k, E, I, h = workload.batch * workload.seq, spec.experts_per_token, spec.num_experts, \
@@ -122,7 +126,7 @@ def moe_saved_bytes(spec: ModelSpec, workload: Workload, trains: bool, needs_gra
     experts = r512(e * S * 2 * I) + r512(e * S * I) + r512(e * S * h)
     if trains:
         experts += r512(e * S * h) + r512(e * S * I)
-    return router + dispatch + experts
+    return router + dispatch + experts + expert_lora_saved_bytes(spec, workload)
 
 
 def routing_weight_bytes(spec: ModelSpec, workload: Workload) -> int:
@@ -138,14 +142,15 @@ def moe_consumed_bytes(spec: ModelSpec, workload: Workload, at_gate_up: bool) ->
     silu(gate)."""
     S, e = workload.batch * workload.seq * spec.experts_per_token, int(DTYPE_BYTES[workload.compute_dtype])
     I = spec.moe_intermediate_size
-    product = r512(e * S * I) if trains_base_weights(workload) else 0
+    product = r512(e * S * I) if (trains_base_weights(workload) or adapts_experts(workload)) else 0
     consumed = r512(e * S * spec.hidden_size) + r512(routing_weight_bytes(spec, workload) * S) + r512(8 * S) + product
     return consumed + (r512(e * S * 2 * I) + r512(e * S * I) if at_gate_up else 0)
 
 
 def moe_input_readers(spec: ModelSpec) -> tuple[str, ...]:
-    """The Linear modules that read a mixture-of-experts block's input: the router, never a LoRA target."""
-    return ("gate",)
+    """The Linear modules that read a mixture-of-experts block's input: the router, never a LoRA target (Llama 4's
+    router and its shared expert's gate and up projections)."""
+    return ("router", "gate_proj", "up_proj") if spec.model_type == "llama4_text" else ("gate",)
 
 
 def moe_forward_temporaries(spec: ModelSpec, workload: Workload, tokens: int) -> int:
@@ -155,6 +160,13 @@ def moe_forward_temporaries(spec: ModelSpec, workload: Workload, tokens: int) ->
     tokens, permuted weights, histc's float input, counts, offsets), then the worst of: the gate (gate_up's
     output, silu(gate), the product), the down projection (the product and its output), the reordering
     (the output, its weighted copy and the reordered one, the inverse permutation)."""
+    held, gate, down, reorder = moe_forward_stages(spec, workload, tokens)
+    return held + max(gate, down, reorder)
+
+
+def moe_forward_stages(spec: ModelSpec, workload: Workload, tokens: int) -> tuple[int, int, int, int]:
+    """`moe_forward_temporaries`' parts: (routing and dispatch, held throughout; the gate; the down
+    projection; the reordering)."""
     T, k, E, I, h = tokens, spec.experts_per_token, spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
     S, e = T * k, int(DTYPE_BYTES[workload.compute_dtype])
     w = routing_weight_bytes(spec, workload)
@@ -163,7 +175,7 @@ def moe_forward_temporaries(spec: ModelSpec, workload: Workload, tokens: int) ->
     gate = r512(e * S * 2 * I) + 2 * r512(e * S * I)
     down = r512(e * S * I) + r512(e * S * h)
     reorder = r512(e * S * h) + 2 * r512(w * S * h) + r512(8 * S)
-    return routing + dispatch + max(gate, down, reorder)
+    return routing + dispatch, gate, down, reorder
 
 
 def moe_allows(spec: ModelSpec, workload: Workload, changes: dict) -> bool:

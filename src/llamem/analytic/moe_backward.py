@@ -14,6 +14,8 @@ with the head's and the layers' above gradients and below j the checkpoint input
 saved sets. Memory moves linearly with j between the ends (a layer's gradients in, its activations
 out), so the top and the bottom MoE layers are the candidates, as for a checkpointed dense layer
 (`backward.py`). LoRA, whose experts have no gradient, peaks in the gate; full fine-tuning in gate_up.
+LoRA on the experts (`moe_lora.py`) adds a third moment before the gate, down's grouped_mm making its
+adapted weight's gradient while that weight is still saved, and the adapted weights to the other two.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from __future__ import annotations
 from llamem.analytic.activations import (checkpoint_mask_bytes, compute_bytes, is_checkpointed, layer_saved_bytes,
                                          rope_bytes, stream_bytes)
 from llamem.analytic.backward import gradients_alive
-from llamem.analytic.common import r512, trains_base_weights
+from llamem.analytic.common import add_breakdowns, r512, trains_base_weights
 from llamem.analytic.moe import moe_consumed_bytes, routing_weight_bytes
+from llamem.analytic.moe_lora import adapts_experts, expert_lora_stage_terms
 from llamem.analytic.selective import selective_kept_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -37,12 +40,15 @@ def moe_backward_moments(spec: ModelSpec, w: Workload, gradient_total_bytes: int
     T, S, e = w.batch * w.seq, w.batch * w.seq * spec.experts_per_token, compute_bytes(w)
     h, I = spec.hidden_size, spec.moe_intermediate_size
     shared = r512(e * T * h) + r512(routing_weight_bytes(spec, w) * S)
+    stages = [("gate", False, 3 * r512(e * S * I)), ("gate_up", True, r512(e * S * 2 * I) + r512(e * S * h))]
+    if adapts_experts(w):  # down's grouped_mm, making its adapted weight's gradient (`moe_lora.py`)
+        stages.insert(0, ("down", False, r512(e * S * h) + r512(e * S * I)))
     moments = []
     for index in sorted({spec.moe_layers[-1], spec.moe_layers[0]}, reverse=True):
-        for at_gate_up, temporaries in ((False, 3 * r512(e * S * I)), (True, r512(e * S * 2 * I) + r512(e * S * h))):
-            moments.append({"gradients": _gradients(spec, w, gradient_total_bytes, index, at_gate_up),
-                            "activations": _activations_at(spec, w, index, at_gate_up),
-                            "temporaries": shared + temporaries})
+        for stage, at_gate_up, temporaries in stages:
+            moment = {"gradients": _gradients(spec, w, gradient_total_bytes, index, at_gate_up),
+                      "activations": _activations_at(spec, w, index, at_gate_up), "temporaries": shared + temporaries}
+            moments.append(add_breakdowns(moment, expert_lora_stage_terms(spec, w, index, stage)))
     return moments
 
 

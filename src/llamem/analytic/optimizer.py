@@ -24,7 +24,7 @@ each step's temporaries are those of one tensor, and there is no clipping.
 from __future__ import annotations
 
 from llamem.analytic.common import r512, trains_base_weights
-from llamem.analytic.weights import trainable_numels
+from llamem.analytic.weights import lora_matrices, trainable_numels
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import Workload
@@ -86,11 +86,7 @@ def adafactor_state_tensors(spec: ModelSpec, workload: Workload) -> list[int]:
 def _trainable_shapes(spec: ModelSpec, workload: Workload) -> list[tuple[int, int]]:
     """(columns, rows) of each trainable tensor; vectors are (1, n)."""
     if workload.uses_adapters:
-        shapes = []
-        for name in workload.lora_targets:
-            fan_in, fan_out = spec.layer_linear_shapes()[name]
-            shapes += [(fan_in, workload.lora_rank), (workload.lora_rank, fan_out)]
-        return shapes * spec.num_layers
+        return lora_matrices(spec, workload)
     h = spec.hidden_size
     # Every tensor of a layer (biases and Qwen3's q/k norms too), in ModelSpec.layer_params order: a linear's
     # weight as its (fan_in, fan_out), the rest vectors.

@@ -17,11 +17,12 @@ Left out: fused kernels, `torch.compile`, padded batches.
 
 from __future__ import annotations
 
+from llamem.analytic import llama4
 from llamem.analytic.activations import compute_bytes
 from llamem.analytic.common import prefill_chunks, r512
 from llamem.analytic.moe import moe_forward_temporaries
-from llamem.analytic.kv_cache import (kv_cache_bytes, kv_layer_tensor_bytes, old_tensors_alive, repeated_kv_bytes,
-                                      stored_tokens)
+from llamem.analytic.kv_cache import (cache_bytes_at, kv_cache_bytes, kv_layer_tensor_bytes, layer_old_tensors_alive,
+                                      layer_stored_tokens, repeated_kv_bytes)
 from llamem.model import ModelSpec
 from llamem.workload import Workload
 
@@ -42,8 +43,9 @@ def _first_chunk_moments(spec: ModelSpec, w: Workload, chunk: int) -> list[dict[
     the chunk: then the mask is explicit, with what comes with it."""
     if spec.sliding_window and chunk > spec.sliding_window:
         return _chunk_moments(spec, w, chunk, chunk, first=True)
+    held_mask = llama4.prefill_mask_bytes(spec, w, chunk, chunk) if llama4.is_llama4(spec) else 0
     return [{"kv_cache": kv_cache_bytes(spec, w.batch, chunk, w.kv_dtype),
-             "temporaries": _layer_temporaries(spec, w, chunk, chunk)}]
+             "temporaries": _layer_temporaries(spec, w, chunk, chunk) + held_mask}]
 
 
 def masked_sdpa_sizes(spec: ModelSpec, workload: Workload, queries: int, keys: int) -> list[int]:
@@ -72,7 +74,9 @@ def _layer_temporaries(spec: ModelSpec, w: Workload, chunk: int, keys: int) -> i
     e = compute_bytes(w)
     h, I = spec.hidden_size, spec.intermediate_size
     held = _held(spec, w, chunk)
-    if spec.num_layers - 1 in spec.moe_layers:  # the last layer, where the cache is whole, is a mixture of experts
+    if llama4.is_llama4(spec) and spec.moe_layers:  # its E-wide blocks outweigh a dense last layer (an upper
+        mlp = held + llama4.moe_prefill_bytes(spec, w, T)  # bound by the caches of the layers above the last one)
+    elif spec.num_layers - 1 in spec.moe_layers:  # the last layer, where the cache is whole, is a mixture of experts
         mlp = held + 2 * r512(e * T * h) + moe_forward_temporaries(spec, w, T)
     else:
         mlp = held + 2 * r512(e * T * h) + 3 * r512(e * T * I)
@@ -98,11 +102,11 @@ def _chunk_moments(spec: ModelSpec, w: Workload, chunk: int, end: int, first: bo
     """Candidate worst moments of a prefill chunk with an attention mask, ending at prompt position
     `end`: inside a layer, while the last layer's cache grows (not in the first chunk: nothing to
     grow), and in SDPA with its repeated K/V and additive mask."""
-    keys = stored_tokens(spec, end, chunk)  # the cache's concatenation with the chunk
-    cache = kv_cache_bytes(spec, w.batch, keys, w.kv_dtype)
+    keys = layer_stored_tokens(spec, spec.num_layers - 1, end, chunk)  # the last layer's concatenation with the chunk
+    cache = cache_bytes_at(spec, w.batch, end, chunk, w.kv_dtype)
     # generate() still holds the previous chunk's last-token logits.
     shared = {} if first else {"logits": r512(compute_bytes(w) * w.batch * spec.vocab_size)}
-    mask = _chunk_mask_bytes(chunk, keys)
+    mask = llama4.prefill_mask_bytes(spec, w, chunk, end) if llama4.is_llama4(spec) else _chunk_mask_bytes(chunk, keys)
     moments = [{**shared, "kv_cache": cache, "temporaries": _layer_temporaries(spec, w, chunk, keys) + mask}]
     if not first:
         moments.append({**shared, **_cache_growth_moment(spec, w, chunk, end, cache, mask)})
@@ -124,8 +128,9 @@ def _cache_growth_moment(spec: ModelSpec, w: Workload, chunk: int, end: int, cac
     layer also the old K) is still alive beside the new one, with the chunk's projections."""
     T, e = w.batch * chunk, compute_bytes(w)
     projections = 2 * r512(e * T * spec.hidden_size) + r512(e * T * spec.q_dim)
-    old = kv_layer_tensor_bytes(spec, w.batch, stored_tokens(spec, end - chunk, chunk), w.kv_dtype)
-    return {"kv_cache": cache + old_tensors_alive(spec) * old,
+    last = spec.num_layers - 1
+    old = kv_layer_tensor_bytes(spec, w.batch, layer_stored_tokens(spec, last, end - chunk, chunk), w.kv_dtype)
+    return {"kv_cache": cache + layer_old_tensors_alive(spec, last) * old,
             "temporaries": _held(spec, w, chunk) + projections + mask}
 
 

@@ -34,22 +34,35 @@ what grows from chunk to chunk (the cache, the masks, the repeated keys and valu
 what fragments the allocator's cache, while the fixed-size temporaries reuse their blocks."""
 
 
-class _Events:
+class Events:
+    """The allocation events of a schedule, numbered as they are made."""
+
     def __init__(self) -> None:
         self.events: list[AllocEvent] = []
         self.next_id = 0
 
-    def alloc(self, sizes: list[int]) -> list[int]:
+    def alloc(self, sizes: list[int], stream: int = 0) -> list[int]:
+        """`stream`: the CUDA stream that allocates (the allocator caches blocks per stream)."""
         ids = []
         for size in sizes:
             if size > 0:
-                self.events.append(AllocEvent("alloc", self.next_id, size))
+                self.events.append(AllocEvent("alloc", self.next_id, size, stream))
                 ids.append(self.next_id)
                 self.next_id += 1
         return ids
 
     def free(self, ids: list[int]) -> None:
         self.events.extend(AllocEvent("free", i, 0) for i in ids)
+
+    def mark(self, point: str, unit: int | str | None = None, grads: list[int] | None = None) -> None:
+        """A point of the step where a data-parallel rank's engine allocates or frees (unit: a layer's
+        index, "embed" or "head"; grads: the gradients made so far): nothing on one device, a rank's
+        buckets, gathers and reduce-scatters in `llamem.analytic.schedule_ranks`."""
+
+    def projection(self, name: str, tensor: int, backward: bool = False) -> None:
+        """A projection (a layer's q_proj .. down_proj, "embed", "lm_head") made `tensor`: its output in
+        forward, its input's gradient in backward (`backward`). Nothing on one device; a tensor-parallel
+        rank all-reduces some of them into new tensors (`llamem.analytic.schedule_ranks`)."""
 
 
 def weight_tensor_sizes(spec: ModelSpec, w: Workload) -> list[int]:
@@ -65,9 +78,11 @@ def weight_tensor_sizes(spec: ModelSpec, w: Workload) -> list[int]:
     return [s for s in sizes if s]
 
 
-def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
-    ev = _Events()
+def training_schedule(spec: ModelSpec, w: Workload, ev: Events | None = None) -> list[AllocEvent]:
+    """`ev`: a data-parallel rank's events (`llamem.analytic.schedule_ranks`), which act at the marks."""
+    ev = ev or Events()
     ev.alloc(weight_tensor_sizes(spec, w))
+    ev.mark("wrap")
     grad_sizes = trainable_tensor_sizes(spec, w)
     if w.uses_adapters:
         ev.alloc(grad_sizes)  # the adapters themselves
@@ -77,10 +92,10 @@ def training_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
         head, tail = grad_sizes[-head_count:], grad_sizes[:1]
     state_sizes = (adafactor_state_tensors(spec, w) if w.optimizer == "adafactor"
                    else optimizer_state_tensors(w, trainable_numels(spec, w), param_bytes=grad_sizes))
-    return _op_level_training(spec, w, ev, head, tail, grad_sizes, state_sizes)
+    return training_steps(spec, w, ev, head, tail, grad_sizes, state_sizes)
 
 
-def _optimizer_step(ev: _Events, w: Workload, grads: list[int], grad_sizes: list[int], new_state: list[int]) -> None:
+def _optimizer_step(ev: Events, w: Workload, grads: list[int], grad_sizes: list[int], new_state: list[int]) -> None:
     """The step: state created on the first one (into the holes backward left), foreach
     temporaries, then zero_grad(set_to_none=True) frees the gradients."""
     ev.alloc(new_state)
@@ -88,9 +103,10 @@ def _optimizer_step(ev: _Events, w: Workload, grads: list[int], grad_sizes: list
     if w.optimizer == "adamw-loop":
         _loop_step(ev, grad_sizes)
     ev.free(temporaries + grads)
+    ev.mark("zero_grad")
 
 
-def _loop_step(ev: _Events, grad_sizes: list[int]) -> None:
+def _loop_step(ev: Events, grad_sizes: list[int]) -> None:
     """For-loop AdamW, tensor by tensor: `exp_avg_sq.sqrt()`, then `denom` (the sqrt divided), the
     sqrt dropped at the end of the expression, the previous tensor's denom when the name is rebound."""
     previous: list = []
@@ -101,7 +117,7 @@ def _loop_step(ev: _Events, grad_sizes: list[int]) -> None:
     ev.free(previous)
 
 
-def _loss(ev: _Events, spec: ModelSpec, w: Workload, unit_h: int, hidden: int | None,
+def _loss(ev: Events, spec: ModelSpec, w: Workload, unit_h: int, hidden: int | None,
           head_trains: bool) -> tuple[list[int], list[int]]:
     """ForCausalLMLoss forward and backward, in order (chunked: torchtune's chunks). Returns
     the head's weight gradient when the chunked loss makes it (otherwise the caller does), and
@@ -120,6 +136,7 @@ def _loss(ev: _Events, spec: ModelSpec, w: Workload, unit_h: int, hidden: int | 
     log_softmax = ev.alloc([r512(4 * TV)])
     ev.free(upcast)
     ev.free(logits)  # the model output is dropped once the loss is read
+    ev.mark("forward_done", "model")
     nll_grad = ev.alloc([r512(4 * TV)])
     softmax_grad = ev.alloc([r512(4 * TV)])
     ev.free(nll_grad + log_softmax)
@@ -127,6 +144,7 @@ def _loss(ev: _Events, spec: ModelSpec, w: Workload, unit_h: int, hidden: int | 
     ev.free(softmax_grad)
     hidden_grad = ev.alloc([unit_h])  # the head's input gradient
     ev.free(logits_grad + head_casts)
+    ev.projection("lm_head", hidden_grad[0], backward=True)
     return [], hidden_grad
 
 
@@ -136,7 +154,7 @@ def chunk_lengths(length: int, chunks: int) -> list[int]:
     return [min(size, length - start) for start in range(0, length, size)]
 
 
-def _chunked_loss(ev: _Events, spec: ModelSpec, w: Workload, hidden: int | None,
+def _chunked_loss(ev: Events, spec: ModelSpec, w: Workload, hidden: int | None,
                   head_trains: bool) -> tuple[list[int], list[int]]:
     """torchtune's CEWithChunkedOutputLoss op by op (traced on transformers 5.x): per chunk the
     head's logits, their fp32 upcast (alive until the next chunk's), the saved log-softmax;
@@ -172,7 +190,7 @@ def _chunked_loss(ev: _Events, spec: ModelSpec, w: Workload, hidden: int | None,
     return accumulated, input_grads
 
 
-def _chunked_loss_forward(ev: _Events, spec: ModelSpec, w: Workload, pieces: list[int],
+def _chunked_loss_forward(ev: Events, spec: ModelSpec, w: Workload, pieces: list[int],
                           copies: bool) -> tuple[list[tuple], list[int]]:
     """Per chunk (of `pieces` tokens): the hidden chunk's copy or cast, the logits, their fp32
     upcast (the previous chunk's dies), the labels' copy (batch > 1), the log-softmax. Returns
@@ -190,7 +208,7 @@ def _chunked_loss_forward(ev: _Events, spec: ModelSpec, w: Workload, pieces: lis
     return saved, upcast
 
 
-def _chunk_backward(ev: _Events, spec: ModelSpec, w: Workload, t: int, saved: list, head_trains: bool,
+def _chunk_backward(ev: Events, spec: ModelSpec, w: Workload, t: int, saved: list, head_trains: bool,
                     weight_cast: list[int]) -> tuple[list[int], list[int]]:
     """One chunk's loss backward (`t` tokens): nll_loss's and log_softmax's gradients, the upcast's
     backward, the head's weight gradient (if it trains) and input gradient.
@@ -213,7 +231,7 @@ def _chunk_backward(ev: _Events, spec: ModelSpec, w: Workload, t: int, saved: li
     return weight_grad, input_grad
 
 
-def _accumulate(ev: _Events, size: int, accumulated: list[int], weight_grad: list[int]) -> list[int]:
+def _accumulate(ev: Events, size: int, accumulated: list[int], weight_grad: list[int]) -> list[int]:
     """The head's weight gradient summed out of place over the chunks."""
     if weight_grad and accumulated:
         summed = ev.alloc([r512(size)])
@@ -222,7 +240,7 @@ def _accumulate(ev: _Events, size: int, accumulated: list[int], weight_grad: lis
     return accumulated or weight_grad
 
 
-def _causal_mask(ev: _Events, size: int) -> list[int]:
+def _causal_mask(ev: Events, size: int) -> list[int]:
     """The bool (b, 1, s, s) mask transformers materialises when SDPA gets no cache: causal,
     then padding, each step a new tensor."""
     causal, combined = ev.alloc([size, size])
@@ -232,17 +250,20 @@ def _causal_mask(ev: _Events, size: int) -> list[int]:
     return [mask]
 
 
-def _op_level_training(spec: ModelSpec, w: Workload, ev: _Events, head: list[int], tail: list[int],
+def training_steps(spec: ModelSpec, w: Workload, ev: Events, head: list[int], tail: list[int],
                        grad_sizes: list[int], state_sizes: list[int]) -> list[AllocEvent]:
     """Two steps (the second sees the cache the first left): forward, loss, backward, the
     embedding's gradient, the optimizer step (its state made in the first)."""
     for step in range(2):
+        ev.mark("step", step)
         step_inputs, embeds = _step_inputs(ev, spec, w)
         kept: dict[int, list[int]] = {}  # selective checkpointing: what each checkpointed layer's policy keeps
         x, tapes, stream_end, inputs = _forward_layers(ev, spec, w, embeds, kept)
         grads, grad, tied_grad = _head_and_loss(ev, spec, w, x, embeds, tapes, stream_end, head)
         grad = _backward_layers(ev, spec, w, tapes, inputs, embeds, grads, grad, kept)
+        ev.mark("backward", "embed")
         tail_grads = ev.alloc(tail)  # the embedding's backward
+        ev.mark("backward_done", "embed", tail_grads)
         ev.free([grad] + tied_grad)  # a tied head's two gradients are summed out of place
         ev.free([embeds] if (w.ac_every or not _fp32_stream(w)) else [])
         ev.free(step_inputs)
@@ -260,17 +281,20 @@ def _fp32_stream(w: Workload) -> bool:
     return w.mixed or act.compute_bytes(w) == 4
 
 
-def _step_inputs(ev: _Events, spec: ModelSpec, w: Workload) -> tuple[list[int], int]:
+def _step_inputs(ev: Events, spec: ModelSpec, w: Workload) -> tuple[list[int], int]:
     """Input ids, the embedding output; with checkpointing (no cache) also the materialised causal
     mask and the positions. Returns (what dies at the end of the step, the embedding output)."""
     step_inputs = ev.alloc([r512(8 * w.batch * w.seq)])  # input ids
+    ev.mark("forward", "embed")
     embeds = ev.alloc([_stream_bytes(spec, w)])[0]
+    ev.projection("embed", embeds)
+    ev.mark("forward_done", "embed")
     if w.ac_every:
         step_inputs += _causal_mask(ev, r512(w.batch * w.seq * w.seq)) + ev.alloc([r512(8 * w.seq)])  # positions
     return step_inputs, embeds
 
 
-def _forward_layers(ev: _Events, spec: ModelSpec, w: Workload, embeds: int, kept: dict[int, list[int]]
+def _forward_layers(ev: Events, spec: ModelSpec, w: Workload, embeds: int, kept: dict[int, list[int]]
                     ) -> tuple[int, list[LayerTape | None], list[int], list[int | None]]:
     """Every decoder layer's forward. Returns the last output, each layer's tape (None when
     checkpointed: nothing saved), the cache copies alive until the end of forward, and each
@@ -279,8 +303,10 @@ def _forward_layers(ev: _Events, spec: ModelSpec, w: Workload, embeds: int, kept
     x, tapes, stream_end, inputs = embeds, [], [], []
     for index in range(spec.num_layers):
         checkpointed = act.is_checkpointed(w, index)
+        ev.mark("forward", index)
         tape = LayerTape(ev, index, no_grad=checkpointed)
         output = forward_layer(tape, spec, w, index, stream_end)
+        ev.mark("forward_done", index)
         if checkpointed:  # nothing saved; the checkpoint keeps the layer's input
             tape = None
             inputs.append(x)
@@ -295,13 +321,14 @@ def _forward_layers(ev: _Events, spec: ModelSpec, w: Workload, embeds: int, kept
     return x, tapes, stream_end, inputs
 
 
-def _head_and_loss(ev: _Events, spec: ModelSpec, w: Workload, x: int, embeds: int, tapes: list[LayerTape | None],
+def _head_and_loss(ev: Events, spec: ModelSpec, w: Workload, x: int, embeds: int, tapes: list[LayerTape | None],
                    stream_end: list[int], head: list[int]) -> tuple[list[int], int, list[int]]:
     """The final norm, the head and the loss, forward and backward, and the final norm's backward.
     Returns the gradients made so far (the head's), the last layer's output gradient, and a tied
     head's gradient (summed with the embedding's at the end)."""
     T, h, e = w.batch * w.seq, spec.hidden_size, act.compute_bytes(w)
     train_all = trains_base_weights(w)
+    ev.mark("forward", "head")
     final = LayerTape(ev, spec.num_layers)
     hidden = norm_forward(final, T, h, e, w.mixed, True, train_all,
                           out_keep=train_all and not w.mixed and w.loss != "chunked")
@@ -311,16 +338,18 @@ def _head_and_loss(ev: _Events, spec: ModelSpec, w: Workload, x: int, embeds: in
         ev.free([x])  # the model's reference to the last layer's output is replaced
     head_grad, hidden_grad = _loss(ev, spec, w, r512((2 if w.mixed else e) * T * h),
                                    None if "norm.out" in final.saved else hidden, train_all)
+    ev.mark("backward", "head")
     ev.free(stream_end)
     final.release("norm.out")
     tied_grad = head_grad if head_grad and not spec.lm_head_params else []
     grads = (head_grad if spec.lm_head_params else []) + ev.alloc(head[:1] if head_grad else head)
     grad = norm_backward(final, T, h, e, w.mixed, train_all, hidden_grad[0])
     final.release_all()
+    ev.mark("backward_done", "head", grads)
     return grads, grad, tied_grad
 
 
-def _backward_layers(ev: _Events, spec: ModelSpec, w: Workload, tapes: list[LayerTape | None],
+def _backward_layers(ev: Events, spec: ModelSpec, w: Workload, tapes: list[LayerTape | None],
                      inputs: list[int | None], embeds: int, grads: list[int], grad: int,
                      kept: dict[int, list[int]]) -> int:
     """Every layer's backward, top down; a checkpointed layer is recomputed first (up to its last
@@ -328,6 +357,7 @@ def _backward_layers(ev: _Events, spec: ModelSpec, w: Workload, tapes: list[Laye
     and made again by it) and its input dies after its backward. Returns the embedding output's
     gradient."""
     for index in reversed(range(spec.num_layers)):
+        ev.mark("backward", index)
         tape = tapes[index]
         if tape is None:  # recompute the checkpointed layer (up to its last saved tensor)
             ev.free(kept.pop(index, []))
@@ -335,6 +365,7 @@ def _backward_layers(ev: _Events, spec: ModelSpec, w: Workload, tapes: list[Laye
             output = forward_layer(tape, spec, w, index, [])
             ev.free([output] if output is not None else [])
         grad = backward_layer(tape, spec, w, grads, grad)
+        ev.mark("backward_done", index, grads)
         if inputs[index] is not None and inputs[index] != embeds:
             ev.free([inputs[index]])
     return grad
@@ -356,7 +387,7 @@ def optimizer_state_tensors(w: Workload, numels: list[int], param_bytes: list[in
     return out
 
 
-def _norm_ops(ev: _Events, T: int, h: int, e: int) -> int:
+def _norm_ops(ev: Events, T: int, h: int, e: int) -> int:
     """LlamaRMSNorm without autograd, in its allocation order (traced on transformers 5.x):
     fp32 upcast, pow, mean, + eps, rsqrt, scale, cast back, times the weight."""
     upcast = ev.alloc([r512(4 * T * h)]) if e < 4 else []
@@ -374,7 +405,7 @@ def _norm_ops(ev: _Events, T: int, h: int, e: int) -> int:
     return out[0]
 
 
-def _rope_ops(ev: _Events, size: int) -> int:
+def _rope_ops(ev: Events, size: int) -> int:
     """q * cos + rotate_half(q) * sin, as apply_rotary_pos_emb computes it."""
     first = ev.alloc([size])
     neg = ev.alloc([r512(size // 2)])
@@ -390,7 +421,7 @@ def _rope_ops(ev: _Events, size: int) -> int:
 def inference_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
     """Generation without autograd, op by op through each decoder layer as transformers runs it:
     the prompt whole or in chunks (`generate`'s prefill_chunk_size), then the decode steps."""
-    ev = _Events()
+    ev = Events()
     ev.alloc(weight_tensor_sizes(spec, w))
     ev.alloc([r512(8 * w.batch * w.seq)])  # input ids
     cache: list[list[int]] = [[] for _ in range(spec.num_layers)]
@@ -422,7 +453,7 @@ def inference_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
     return ev.events
 
 
-def _grow_cache(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list[int]], layer: int, kept: int) -> None:
+def _grow_cache(ev: Events, spec: ModelSpec, w: Workload, cache: list[list[int]], layer: int, kept: int) -> None:
     """DynamicLayer concatenates and replaces K, then V; a sliding-window layer makes both first."""
     size = kv_layer_tensor_bytes(spec, w.batch, kept, w.kv_dtype)
     old = cache[layer]
@@ -437,7 +468,7 @@ def _grow_cache(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list[int]
     cache[layer] = keys + values
 
 
-def _mask_ops(ev: _Events, spec: ModelSpec, size: int) -> list[int]:
+def _mask_ops(ev: Events, spec: ModelSpec, size: int) -> list[int]:
     """The (chunk x keys) bool mask; a sliding window's is the AND of the causal and the window
     conditions, each built in two steps."""
     if not spec.sliding_window:
@@ -449,7 +480,7 @@ def _mask_ops(ev: _Events, spec: ModelSpec, size: int) -> list[int]:
     return [mask]
 
 
-def _prefill_growth(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list[int]], new: int, end: int) -> None:
+def _prefill_growth(ev: Events, spec: ModelSpec, w: Workload, cache: list[list[int]], new: int, end: int) -> None:
     """What of a middle prefill chunk grows with the prompt so far: mask, cache, repeated K/V."""
     keys = stored_tokens(spec, end, new)
     mask = _mask_ops(ev, spec, r512(new * keys))
@@ -460,7 +491,7 @@ def _prefill_growth(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list[
     ev.free(mask)
 
 
-def _prefill_forward(ev: _Events, spec: ModelSpec, w: Workload, cache: list[list[int]], new: int, end: int,
+def _prefill_forward(ev: Events, spec: ModelSpec, w: Workload, cache: list[list[int]], new: int, end: int,
                      masked: bool) -> None:
     """One prefill forward of `new` prompt tokens ending at position `end`."""
     T = w.batch * new

@@ -163,8 +163,17 @@ def _forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, st
 
 def _linear(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act.LayerFlags, name: str,
             x_rg: bool = True) -> int:
-    """One projection's forward: autocast's casts, or a (dequantized) base matmul and, when the
-    linear is adapted, LoRA's chain. `x_rg`: the input needs a gradient."""
+    """One projection's forward, whose output the events are told of (a tensor-parallel rank all-reduces
+    a row-parallel one)."""
+    out = _linear_forward(tape, spec, w, flags, name, x_rg)
+    tape.ev.projection(name, out)
+    return out
+
+
+def _linear_forward(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act.LayerFlags, name: str,
+                    x_rg: bool) -> int:
+    """Autocast's casts, or a (dequantized) base matmul and, when the linear is adapted, LoRA's chain.
+    `x_rg`: the input needs a gradient."""
     fan_in, fan_out = spec.layer_linear_shapes()[name]
     T = w.batch * w.seq
     if w.mixed:
@@ -320,9 +329,18 @@ def _swiglu(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act.LayerFlags
 
 def _linear_backward(tape: LayerTape, spec: ModelSpec, w: Workload, name: str, grad: int, trains: bool,
                      grads: list[int], last_use: tuple[str, ...] = (), residual: bool = False) -> int:
-    """One projection's backward: the weight's gradient (if it trains), the input's gradient,
-    LoRA's adapter chain when it has one. Frees `last_use` saves and the output's gradient,
-    unless that is the residual stream's (`residual`), which its sum still reads."""
+    """One projection's backward, whose input gradient the events are told of (a tensor-parallel rank
+    all-reduces a column-parallel one)."""
+    g_in = _linear_grads(tape, spec, w, name, grad, trains, grads, last_use, residual)
+    tape.ev.projection(name, g_in, backward=True)
+    return g_in
+
+
+def _linear_grads(tape: LayerTape, spec: ModelSpec, w: Workload, name: str, grad: int, trains: bool,
+                  grads: list[int], last_use: tuple[str, ...], residual: bool) -> int:
+    """The weight's gradient (if it trains), the input's gradient, LoRA's adapter chain when it has one.
+    Frees `last_use` saves and the output's gradient, unless that is the residual stream's (`residual`),
+    which its sum still reads."""
     fan_in, fan_out = spec.layer_linear_shapes()[name]
     T = w.batch * w.seq
     if w.mixed:

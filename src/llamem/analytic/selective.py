@@ -91,7 +91,7 @@ def _matmul_out_bytes(w: Workload, name: str) -> int:
     return 4 if ".lora_" in name else int(DTYPE_BYTES[w.compute_dtype])
 
 
-def _attention_kept_sizes(spec: ModelSpec, w: Workload) -> list[int]:
+def attention_kept_sizes(spec: ModelSpec, w: Workload) -> list[int]:
     """SDPA's output (T q) and fp32 logsumexp (b heads s); eager attention's two batched matmuls
     (the scores b heads s^2 and the output T q), in the attention dtype."""
     b, s = w.batch, w.seq
@@ -108,10 +108,16 @@ def selective_kept_sizes(spec: ModelSpec, w: Workload) -> list[int]:
         return []
     T = w.batch * w.seq
     matmuls = [r512(_matmul_out_bytes(w, name) * T * fan_out) for name, _fan_in, fan_out in saved_matmuls(spec, w)]
-    attention = _attention_kept_sizes(spec, w)
+    attention = attention_kept_sizes(spec, w)
     # q, k, v (and their adapters) run before attention, o and the MLP after it.
     before = sum(1 for name, _, _ in saved_matmuls(spec, w) if name.split(".")[0] in ("q_proj", "k_proj", "v_proj"))
     return matmuls[:before] + attention + matmuls[before:]
+
+
+def kept_matmul_outputs(spec: ModelSpec, w: Workload) -> list[tuple[str, int]]:
+    """(name, bytes) of each matmul output the policy keeps, in forward order."""
+    T = w.batch * w.seq
+    return [(name, r512(_matmul_out_bytes(w, name) * T * fan_out)) for name, _fan_in, fan_out in saved_matmuls(spec, w)]
 
 
 def selective_kept_bytes(spec: ModelSpec, w: Workload) -> int:

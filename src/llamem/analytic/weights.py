@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from llamem.analytic.common import r512, tensor_bytes
+from llamem.analytic.common import r512, tensor_bytes, trains_base_weights
+from llamem.analytic.moe_lora import expert_adapter_matrices, expert_copies_kept_bytes, lora_linear_targets
 from llamem.model import ModelSpec
-from llamem.workload import Workload
+from llamem.workload import LOSS_CHUNKS, Workload
 
 NF4_BLOCK = 64
 
@@ -93,17 +94,22 @@ def weight_breakdown(spec: ModelSpec, workload: Workload, teacher: ModelSpec | N
 def lora_shapes(spec: ModelSpec, workload: Workload) -> list[tuple[int, int]]:
     """(fan_in, fan_out) of every adapted linear in one layer."""
     shapes = spec.layer_linear_shapes()
-    return [shapes[name] for name in workload.lora_targets]
+    return [shapes[name] for name in lora_linear_targets(workload)]
+
+
+def lora_matrices(spec: ModelSpec, workload: Workload) -> list[tuple[int, int]]:
+    """(columns, rows) of every LoRA tensor in the model, layer by layer: each adapted linear's A (r x in)
+    and B (out x r), then in a mixture-of-experts layer its experts' adapters (`moe_lora.py`)."""
+    rank = workload.lora_rank
+    linears = [m for fan_in, fan_out in lora_shapes(spec, workload) for m in ((fan_in, rank), (rank, fan_out))]
+    experts, moe_layers = expert_adapter_matrices(spec, workload), set(spec.moe_layers)
+    return [m for index in range(spec.num_layers) for m in linears + (experts if index in moe_layers else [])]
 
 
 def lora_tensor_sizes(spec: ModelSpec, workload: Workload) -> list[int]:
-    """Bytes of every LoRA tensor in the model (A: r x in, B: out x r; fp32 as peft keeps them)."""
-    rank = workload.lora_rank
+    """Bytes of every LoRA tensor in the model (fp32 as peft keeps them)."""
     dtype = adapter_dtype(workload)
-    per_layer = []
-    for fan_in, fan_out in lora_shapes(spec, workload):
-        per_layer += [tensor_bytes(rank * fan_in, dtype), tensor_bytes(rank * fan_out, dtype)]
-    return per_layer * spec.num_layers
+    return [tensor_bytes(columns * rows, dtype) for columns, rows in lora_matrices(spec, workload)]
 
 
 def adapter_dtype(workload: Workload) -> str:
@@ -122,11 +128,7 @@ def trainable_tensor_sizes(spec: ModelSpec, workload: Workload) -> list[int]:
 def trainable_numels(spec: ModelSpec, workload: Workload) -> list[int]:
     """Element counts of the trainable tensors (same order as trainable_tensor_sizes)."""
     if workload.uses_adapters:
-        rank = workload.lora_rank
-        per_layer = []
-        for fan_in, fan_out in lora_shapes(spec, workload):
-            per_layer += [rank * fan_in, rank * fan_out]
-        return per_layer * spec.num_layers
+        return [columns * rows for columns, rows in lora_matrices(spec, workload)]
     # Embedding, each layer's own (in ModelSpec.layer_params order), final norm, head.
     kinds = {moe: [numel for _name, numel in _layer_tensors(spec, moe)] for moe, _count in spec.layer_kinds()}
     moe_layers = set(spec.moe_layers)
@@ -150,10 +152,17 @@ def layer_autocast_copy_bytes(spec: ModelSpec, skip: tuple[str, ...] = ()) -> in
 def autocast_copy_bytes(spec: ModelSpec, workload: Workload) -> int:
     """Mixed precision: autocast caches a compute-dtype copy of every Linear weight (not the
     embedding or norms) for the whole forward, and autograd keeps it until backward is done."""
-    if not workload.mixed:
-        return 0
+    if not workload.mixed:  # adapted experts' factors, cast to the bf16 weights' dtype (`moe_lora.py`)
+        return expert_copies_kept_bytes(spec, workload)
     head = tensor_bytes(spec.vocab_size * spec.hidden_size, "bf16")
-    return spec.num_layers * layer_autocast_copy_bytes(spec) + head
+    return spec.num_layers * layer_autocast_copy_bytes(spec) + head * _head_casts(workload)
+
+
+def _head_casts(workload: Workload) -> int:
+    """Autocast caches the casts of weights that require a gradient only: a frozen head (LoRA) under the
+    chunked loss is cast again for each chunk, and each chunk's matmul saves its copy for backward."""
+    chunked = workload.loss == "chunked" and not workload.liger
+    return LOSS_CHUNKS if chunked and not trains_base_weights(workload) else 1
 
 
 def autocast_copies_in_backward_bytes(spec: ModelSpec, workload: Workload, forward_copy_bytes: int) -> int:
@@ -164,3 +173,47 @@ def autocast_copies_in_backward_bytes(spec: ModelSpec, workload: Workload, forwa
         return forward_copy_bytes
     checkpointed = -(-spec.num_layers // workload.ac_every)
     return forward_copy_bytes - checkpointed * layer_autocast_copy_bytes(spec)
+
+
+_LAYER_STAGES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+"""A layer's linears in the order they run: each reads what the stage before produced."""
+
+
+def frozen_base_copies(spec: ModelSpec, workload: Workload, copies: int) -> tuple[int, int] | None:
+    """(forward, backward) autocast copies of LoRA over fp32 base weights (None for any other case).
+    Autocast caches only casts of weights requiring a gradient: a frozen base weight's cast lives only
+    where its matmul saves it (a plain layer whose input at that linear needs a gradient; never in a
+    checkpointed layer), while every adapter's cast stays cached until the forward ends, and in backward
+    only the adapters of plain layers keep theirs (lora_A's only where its input needs a gradient)."""
+    if not (workload.mixed and workload.task == "lora" and workload.quant == "none") or workload.liger \
+            or workload.compile or spec.is_moe:
+        return None
+    layer, L, K = layer_autocast_copy_bytes(spec), spec.num_layers, workload.ac_every
+    head = copies - L * layer
+    a_casts, b_casts = _adapter_casts(spec, workload, ()), _adapter_casts(spec, workload, (), lora_b=True)
+    if K:  # layer 0 is checkpointed
+        plain = L - -(-L // K)
+        base, saved_adapters = plain * layer, plain * (a_casts + b_casts)
+    else:
+        skip = _layer0_unsaved(workload)
+        base = L * layer - (layer - layer_autocast_copy_bytes(spec, skip))
+        saved_adapters = L * b_casts + (L - 1) * a_casts + _adapter_casts(spec, workload, skip)
+    return head + base + L * (a_casts + b_casts), head + base + saved_adapters
+
+
+def _layer0_unsaved(workload: Workload) -> tuple[str, ...]:
+    """Layer 0's linears whose input needs no gradient (the embedding is frozen): those up to the
+    first stage with an adapted linear."""
+    skip: tuple[str, ...] = ()
+    for stage in _LAYER_STAGES:
+        skip += stage
+        if set(stage) & set(workload.lora_targets):
+            break
+    return skip
+
+
+def _adapter_casts(spec: ModelSpec, workload: Workload, skip: tuple[str, ...], lora_b: bool = False) -> int:
+    """bf16 casts of one layer's lora_A weights (lora_B's with `lora_b`), less those of linears in `skip`."""
+    shapes, rank = spec.layer_linear_shapes(), workload.lora_rank
+    return sum(tensor_bytes(rank * (shapes[name][1] if lora_b else shapes[name][0]), "bf16")
+               for name in lora_linear_targets(workload) if name not in skip)

@@ -10,10 +10,14 @@ DeepSpeed launcher, or accelerate (which drives DDP, FSDP2 or DeepSpeed itself).
 generate.py: one GPU, replicas, a device_map (one process; the plan's pipeline stages) or tensor
 parallel.
 
+A distillation's train.py also builds the frozen teacher (teacher_config.json under `--random-init`) and
+places it as planned (`llamem.teacher_placement`): whole on every rank, or sharded with FSDP2 on its own.
+
 What the bundle cannot run (tensor or pipeline parallelism with data parallelism, both together,
-distillation, sharded quantized bases, 8-bit AdamW on shards, settings train.py does not apply) is
-still written by `emit_bundle`, with the reason in README.md and a launch.sh that prints it and exits
-1: never a script that runs something else. `llamem plan --emit` never gets there: its search keeps
+distillation under model parallelism or beside DeepSpeed with a sharded teacher, sharded quantized
+bases, 8-bit AdamW on shards, settings train.py does not apply) is still written by `emit_bundle`,
+with the reason in README.md and a launch.sh that prints it and exits 1: never a script that runs
+something else. `llamem plan --emit` never gets there: its search keeps
 only what `bundle_runs` accepts, and `emit_plan` refuses the rest before writing.
 """
 from __future__ import annotations
@@ -34,17 +38,25 @@ from llamem.bundle.readme import readme
 from llamem.bundle.script import generate_script, train_script
 from llamem.bundle.slurm import slurm_script
 from llamem.errors import LlamemError, UsageError
+from llamem.expert_parallel_engines import EP_MODEL_TYPES, EXPERT_PARALLEL_ENGINES, runs_transformers_ep
 from llamem.gpus import GPU
-from llamem.model import HF_CLASSES, ModelSpec
+from llamem.model import HF_CLASSES, ModelSpec, load_model
 from llamem.parallel import Layout
 from llamem.plan import Plan, Space, command, confirm, evaluate
+from llamem.teacher_placement import placement
 from llamem.workload import LOSS_CHUNKS, Workload
 
 ENGINES = ("any", "torchrun", "deepspeed", "accelerate")
 MAX_STEPS = 20
 """Optimizer steps train.py runs unless told `--max-steps`."""
 _ZERO = ("zero1", "zero2", "zero3")
-BUNDLE_FILES = frozenset({"train.py", "generate.py", "launch.sh", "config.json", "ds_config.json", "accelerate.yaml", "README.md"})
+BUNDLE_FILES = frozenset({"train.py", "generate.py", "launch.sh", "config.json", "teacher_config.json", "ds_config.json",
+                          "accelerate.yaml", "README.md"})
+DISTILL_ALPHA = 0.5
+"""The KL term's weight in train.py's distillation loss, (1 - alpha) CE + alpha T^2 KL, as llamem traces it."""
+DISTILL_TEMPERATURE = 1.0
+"""The KL's temperature T in train.py (PLAN["teacher"]["temperature"]; any other T holds the same memory: each
+scaled logit copy replaces its upcast)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +93,8 @@ def emit_bundle(plan: Plan, directory: str | os.PathLike, *, engine: str = "any"
                                          script=script),
              "slurm.sbatch": slurm_script(launcher=launcher, processes=processes, title=title),
              "config.json": json.dumps(hf_config_dict(plan.model), indent=2) + "\n"}
+    if w.task == "distill":
+        files["teacher_config.json"] = json.dumps(hf_config_dict(load_model(w.teacher)), indent=2) + "\n"
     if strategy == "deepspeed" and not unsupported:
         files["ds_config.json"] = json.dumps(ds_config(w, layout, plan.model.hidden_size), indent=2) + "\n"
     if launcher == "accelerate" and not unsupported:
@@ -225,8 +239,8 @@ def choose(layout: Layout, engine: str, *, adapters: bool = False, generation: b
 
 def unsupported_reason(w: Workload, layout: Layout, strategy: str, spec: ModelSpec | None = None) -> str | None:
     """Why the bundle cannot run this configuration as planned, or None."""
-    if layout.ep > 1:
-        return EXPERT_PARALLEL_UNEMITTED
+    if layout.ep > 1 and (reason := expert_parallel_reason(w, layout, strategy, spec)):
+        return reason
     unrun = unrun_settings(w)
     if unrun:
         return f"train.py does not apply {unrun}: plan without it"
@@ -234,8 +248,9 @@ def unsupported_reason(w: Workload, layout: Layout, strategy: str, spec: ModelSp
         return generation_reason(w, layout, strategy, spec)
     if strategy in ("tp", "pp", "tp+pp"):
         return model_parallel_reason(w, layout, strategy, spec)
-    if w.task == "distill":
-        return "distillation bundles are not emitted yet: train.py has no teacher forward"
+    if w.task == "distill" and strategy == "deepspeed" and placement(w, layout.sharding) == "sharded":
+        return ("a sharded teacher beside DeepSpeed's engine is not emitted (train.py keeps the teacher outside the "
+                "engine): plan with --teacher-placement replicated, or with FSDP2 (--engine fsdp2)")
     if w.quant != "none" and layout.sharding in _ZERO:
         return (f"a {w.quant} base under {layout.sharding} is not emitted yet (bitsandbytes weights in ZeRO / FSDP "
                 "shards): choose --gpus so the plan uses DDP, or one GPU")
@@ -251,13 +266,22 @@ def unsupported_reason(w: Workload, layout: Layout, strategy: str, spec: ModelSp
     return None
 
 
-EXPERT_PARALLEL_UNEMITTED = (
-    "expert parallelism is not emitted: DeepSpeed 0.19.8's AutoEP (ds_config \"expert_parallel\": {\"enabled\": true, "
-    "\"autoep_size\": N}, presets for mixtral and qwen3_moe) and transformers 5.24's "
-    "DistributedConfig(ep_size=N) run it, but each replaces the experts' forward with its own dispatch, whose "
-    "memory llamem has not sized; accelerate 1.15's ParallelismConfig and torch have no expert dimension. "
-    "Plan without it (the layouts the bundles run are searched with --emit)")
-"""Why no bundle runs an expert-parallel layout (`llamem.expert_parallel`)."""
+def expert_parallel_reason(w: Workload, layout: Layout, strategy: str, spec: ModelSpec | None) -> str | None:
+    """What the expert-parallel bundle does not run (`llamem.expert_parallel_engines`), each with the change to
+    make; None for the replicas of a Mixtral or Qwen3-MoE trained whole, with AdamW or SGD, unquantized."""
+    instead = "plan without --ep (the layouts the bundles run are searched with --emit)"
+    if strategy != "ddp" or not runs_transformers_ep(w, layout):
+        return (f"expert parallelism under {layout.sharding} with --task {w.task} is not emitted. "
+                f"{EXPERT_PARALLEL_ENGINES} Use --sharding ddp and --task train, or {instead}")
+    if spec is not None and spec.model_type not in EP_MODEL_TYPES:
+        return (f"{spec.model_type} has no expert-parallel plan in transformers 5.24 that train.py applies (it does "
+                f"for {' and '.join(EP_MODEL_TYPES)}): {instead}")
+    if w.quant != "none" or w.optimizer not in ("adamw", "adamw-foreach", "adamw-fused", "adamw-loop", "sgd"):
+        return f"expert-parallel bundles run AdamW or SGD on unquantized weights (here {w.optimizer}): {instead}"
+    if w.loss != "full" or w.ac_every:
+        return ("expert-parallel bundles compute the loss in one piece, without activation checkpointing (the "
+                f"dispatch's recomputation is not sized): {instead}")
+    return None
 
 
 def unrun_settings(w: Workload) -> str:
@@ -329,14 +353,21 @@ def train_settings(plan: Plan, strategy: str, launcher: str, unsupported: str | 
     w, layout = plan.final.workload, plan.final.layout
     return {"model_name": plan.model.name, "model_id": model_id or plan.model.hf_id, "strategy": strategy,
             "launcher": launcher, "layout_description": layout.describe(), "num_gpus": layout.num_gpus,
-            "tp": layout.tp, "pp": layout.pp, "pipeline_schedule": layout.pipeline_schedule,
+            "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "pipeline_schedule": layout.pipeline_schedule,
             "num_layers": plan.model.num_layers,
             "unsupported": unsupported, "task": w.task, "micro_batch": w.batch, "grad_accum": w.grad_accum,
             "seq": w.seq, "vocab_size": plan.model.vocab_size, "precision": w.precision, "mixed": w.mixed,
             "compute_dtype": w.compute_dtype, "quantized": w.quant != "none", "optimizer": w.optimizer,
             "lr": LEARNING_RATE, "max_grad_norm": w.max_grad_norm, "ac_every": w.ac_every, "loss": w.loss,
             "loss_chunks": LOSS_CHUNKS, "max_steps": MAX_STEPS, "peak_allocated_bytes": plan.final.allocated_bytes,
-            "device_bytes": plan.final.device_bytes, "command": plan.command}
+            "device_bytes": plan.final.device_bytes, "command": plan.command,
+            **({"teacher": teacher_settings(w, layout)} if w.task == "distill" else {})}
+
+
+def teacher_settings(w: Workload, layout: Layout) -> dict:
+    """What train.py needs of a distillation's teacher (PLAN["teacher"])."""
+    return {"name": w.teacher, "model_id": load_model(w.teacher).hf_id, "placement": placement(w, layout.sharding),
+            "quantized": w.teacher_quant != "none", "alpha": DISTILL_ALPHA, "temperature": DISTILL_TEMPERATURE}
 
 
 def generate_settings(plan: Plan, strategy: str, launcher: str, unsupported: str | None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from llamem.teacher_placement import teacher_workload
 from llamem.techniques import workload_code
 from llamem.workload import Workload
 
@@ -20,7 +21,8 @@ COMMON_MODULE = "llamem.bundle.common_body"
 
 
 def train_script(w: Workload, settings: dict, title: str) -> str:
-    return _script("train.py", BODY, w, settings, title, extra="")
+    """train.py; a distillation's also loads its teacher (`load_teacher`)."""
+    return _script("train.py", BODY, w, settings, title, extra="", teacher=w.task == "distill")
 
 
 def generate_script(w: Workload, settings: dict, title: str) -> str:
@@ -30,12 +32,15 @@ def generate_script(w: Workload, settings: dict, title: str) -> str:
     return _script("generate.py", GENERATE_BODY, w, settings, title, extra=options)
 
 
-def _script(name: str, body: Path, w: Workload, settings: dict, title: str, extra: str) -> str:
+def _script(name: str, body: Path, w: Workload, settings: dict, title: str, extra: str,
+            teacher: bool = False) -> str:
     imports, code = _inlined(body)
     parts = [f'#!/usr/bin/env python\n"""{title}\n\nWritten by `llamem plan --emit`; launch it with launch.sh '
              f'(README.md). `python {name} --help` lists its options.\n"""\n\nfrom __future__ import annotations\n',
-             imports, _model_imports(w), _plan_literal(settings), *([extra] if extra else []), "", "",
-             _load_model(w), code.rstrip("\n"), "", "", 'if __name__ == "__main__":', "    main(PLAN, load_model)"]
+             imports, _model_imports(w, teacher), _plan_literal(settings), *([extra] if extra else []), "", "",
+             _load_model(w), *([_load_teacher(w)] if teacher else []), code.rstrip("\n"), "", "",
+             'if __name__ == "__main__":',
+             "    main(PLAN, load_model" + (", load_teacher=load_teacher)" if teacher else ")")]
     return "\n".join(parts) + "\n"
 
 
@@ -71,9 +76,11 @@ def _body_parts(text: str) -> tuple[str, str]:
     return "\n".join(lines[start:end]) + "\n", "\n".join(lines[end:]).lstrip("\n")
 
 
-def _model_imports(w: Workload) -> str:
+def _model_imports(w: Workload, teacher: bool = False) -> str:
     code = workload_code(w)
-    names = ["AutoConfig", "AutoModelForCausalLM", *(i for i in code.imports if i != "TrainingArguments")]
+    teacher_imports = workload_code(teacher_workload(w)).imports if teacher else []
+    names = ["AutoConfig", "AutoModelForCausalLM",
+             *dict.fromkeys(i for i in [*code.imports, *teacher_imports] if i != "TrainingArguments")]
     lines = ["from transformers import " + ", ".join(names)]
     if w.uses_adapters:
         lines.append("from peft import LoraConfig, get_peft_model" +
@@ -93,6 +100,20 @@ def _load_model(w: Workload) -> str:
             *code.after_load, "return model"]
     return "\n".join(['def load_model(random_init: bool, checkpoint: str | None):',
                       '    """The model as the plan loads it: the lines `llamem plan --code` prints."""',
+                      *("    " + line for line in body)]) + "\n\n"
+
+
+def _load_teacher(w: Workload) -> str:
+    """load_teacher: the frozen teacher as `llamem` sizes it, bf16 or quantized by bitsandbytes while loading."""
+    code = workload_code(teacher_workload(w))
+    built = [o for o in code.load_options if not o.startswith("quantization_config")]
+    body = [*code.before_load,
+            "if random_init:",
+            '    config = AutoConfig.from_pretrained(Path(__file__).resolve().parent / "teacher_config.json")',
+            f"    return AutoModelForCausalLM.from_config(config, {', '.join(built)})",
+            f"return AutoModelForCausalLM.from_pretrained(checkpoint, {', '.join(code.load_options)})"]
+    return "\n".join(['def load_teacher(random_init: bool, checkpoint: str | None):',
+                      '    """The distillation teacher as planned (frozen by train.py)."""',
                       *("    " + line for line in body)]) + "\n\n"
 
 

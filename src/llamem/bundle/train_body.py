@@ -9,6 +9,8 @@ each counted by llamem's CpuMemoryTracker as if it were a GPU (when llamem is in
 The strategies, as `llamem.parallel` sizes them:
 - single: one GPU, no wrapper;
 - ddp: torch DistributedDataParallel, autocast for mixed precision;
+  with `PLAN["ep"]` > 1, the experts split first by transformers' expert-parallel plan (E / ep per rank,
+  an all-to-all dispatch), DDP over the dense parts only (`llamem.expert_parallel_engines`);
 - fsdp2: `fully_shard` on the embedding, each decoder layer, the head, then the root (ZeRO-3), with a
   MixedPrecisionPolicy;
 - deepspeed: ZeRO-1/2/3 with optional CPU offload, from ds_config.json;
@@ -16,6 +18,11 @@ The strategies, as `llamem.parallel` sizes them:
   MLP, vocabulary-parallel embedding and head, the loss computed on the vocabulary shards);
 - pp: pipeline stages with `torch.distributed.pipelining` (1F1B, or GPipe below as many micro-batches as
   stages), one stage per process, the accumulation steps as the pipeline's micro-batches.
+
+Distillation (`PLAN["teacher"]`): `load_teacher`, written above this text, builds the frozen teacher; it is
+placed as planned (whole on every rank, or sharded with FSDP2's `fully_shard` on its own) beside the
+wrapped student, and runs its forward under `torch.no_grad()` before the student's on the same ids. The
+loss is (1 - alpha) CE + alpha T^2 KL(teacher || student), the KL at temperature T on fp32 upcasts.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import contextlib
 import gc
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -47,6 +55,9 @@ def parse_args(plan: dict, argv: list[str] | None = None) -> argparse.Namespace:
                         help="With --cpu: write each rank's allocations and frees to DIR/rank{rank}.json "
                         "(llamem-trace-v1: `llamem allocator replay` gives that rank's reserved memory).")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    if plan.get("teacher"):
+        parser.add_argument("--teacher-model", default=plan["teacher"]["model_id"],
+                            help="The teacher's checkpoint (a Hugging Face id or a local directory).")
     args = parse_checked(parser, argv)
     if args.memory_trace is not None and not args.cpu:
         parser.error("--memory-trace records llamem's CPU tracker: add --cpu (on a GPU, "
@@ -121,12 +132,14 @@ class CausalLMLoss(torch.nn.Module):
     """The model and its loss as one module, so that the wrappers (DDP, FSDP2, DeepSpeed) see every
     call the loss makes, the chunked loss's calls into the decoder and the head included."""
 
-    def __init__(self, model, loss_chunks: int) -> None:
+    def __init__(self, model, loss_chunks: int, distill: tuple[float, float] | None = None) -> None:
         super().__init__()
         self.model = model
         self.loss_chunks = loss_chunks
         self.vocab_parallel = False
         """Tensor parallel: the head's output is sharded over the vocabulary (a DTensor)."""
+        self.distill = distill
+        """Distillation: (alpha, temperature) of the loss against the teacher's logits."""
 
     def vocab_parallel_loss(self, ids: torch.Tensor) -> torch.Tensor:
         """The loss on the head's vocabulary shards (torch's `loss_parallel`): no rank holds whole logits."""
@@ -138,7 +151,20 @@ class CausalLMLoss(torch.nn.Module):
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted_labels(ids).flatten(),
                                                      ignore_index=-100)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def distillation_loss(self, ids: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        """(1 - alpha) CE + alpha T^2 KL(teacher || student): the forward KL at temperature T, each side's
+        log_softmax made from its fp32 upcast in turn (one upcast alive at a time), as llamem sizes it."""
+        alpha, temperature = self.distill
+        out = self.model(input_ids=ids, labels=ids)
+        ce = (1 - alpha) * out.loss
+        log_p = torch.nn.functional.log_softmax(scaled(out.logits.float(), temperature), dim=-1)
+        log_q = torch.nn.functional.log_softmax(scaled(teacher_logits.float(), temperature), dim=-1)
+        kl = torch.nn.functional.kl_div(log_p, log_q, log_target=True, reduction="batchmean")
+        return ce + alpha * temperature**2 * kl
+
+    def forward(self, ids: torch.Tensor, teacher_logits: torch.Tensor | None = None) -> torch.Tensor:
+        if teacher_logits is not None:
+            return self.distillation_loss(ids, teacher_logits)
         if self.vocab_parallel:
             return self.vocab_parallel_loss(ids)
         if not self.loss_chunks:
@@ -154,6 +180,10 @@ class CausalLMLoss(torch.nn.Module):
         return total / ids.numel()
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits if temperature == 1 else logits / temperature
+
+
 def build_model(plan: dict, load_model, args: argparse.Namespace) -> CausalLMLoss:
     torch.manual_seed(0)  # every rank builds the same random weights
     model = load_model(args.random_init, args.model)
@@ -161,7 +191,56 @@ def build_model(plan: dict, load_model, args: argparse.Namespace) -> CausalLMLos
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                               every_n_layers=plan["ac_every"])
     model.train()
-    return CausalLMLoss(model, plan["loss_chunks"] if plan["loss"] == "chunked" else 0)
+    if plan.get("ep", 1) > 1:
+        shard_experts(model, plan["ep"], "cpu" if args.cpu else "cuda")
+    teacher = plan.get("teacher")
+    distill = (teacher["alpha"], teacher["temperature"]) if teacher else None
+    return CausalLMLoss(model, plan["loss_chunks"] if plan["loss"] == "chunked" else 0, distill)
+
+
+def build_teacher(load_teacher, args: argparse.Namespace):
+    """The frozen teacher in host memory, the same random weights on every rank under --random-init."""
+    torch.manual_seed(1)
+    return load_teacher(args.random_init, args.teacher_model).eval().requires_grad_(False)
+
+
+def refuse_teacher(plan: dict, args: argparse.Namespace) -> None:
+    """Exit 1 with the reasons, before any work, where the teacher cannot be built as planned."""
+    teacher = plan.get("teacher")
+    problems = []
+    if teacher and teacher["quantized"] and (args.cpu or args.random_init):
+        problems.append("a quantized teacher needs bitsandbytes' GPU kernels and a checkpoint (it quantizes while "
+                        "loading): drop --cpu and --random-init, or emit the plan with --teacher-quant none")
+    if teacher and not args.random_init and not args.teacher_model:
+        problems.append("the plan names no teacher checkpoint (its teacher came from a config file): pass "
+                        "--teacher-model ID_OR_PATH, or --random-init to build it from teacher_config.json")
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        sys.exit(1)
+
+
+def place_teacher(plan: dict, teacher, device: torch.device, world: int, tracker):
+    """The teacher where the plan puts it: whole on this rank (replicated), or sharded with FSDP2's
+    `fully_shard` on its own, whatever wraps the student: the embedding, each decoder layer, the final norm
+    with the head, then the root, so that its forward gathers one unit at a time (in bf16, as it is stored)."""
+    if plan["teacher"]["placement"] != "sharded":
+        if tracker is not None:  # on CPU `.to()` keeps the loaded weights: count them as moved
+            tracker.track(teacher, category="weights/teacher")
+        return teacher.to(device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    if not teacher.config.tie_word_embeddings:  # a tied weight cannot sit in two units: it stays in the root's
+        fully_shard(teacher.model.embed_tokens, mesh=mesh)
+        fully_shard([teacher.model.norm, teacher.lm_head], mesh=mesh)
+    for layer in teacher.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(teacher, mesh=mesh)
+    gc.collect()  # the unsharded weights sit in reference cycles until a collection
+    if tracker is not None:
+        tracker.track(list(teacher.buffers()), category="weights/teacher")  # fully_shard moves buffers whole
+    return teacher
 
 
 def make_optimizer(plan: dict, params):
@@ -186,6 +265,18 @@ class Run:
         self.plan, self.module, self.optimizer, self.device = plan, module, optimizer, device
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.scaler = torch.amp.GradScaler(device.type) if plan["precision"] == "fp16-mixed" else None
+        self.teacher = None
+        """Distillation: the frozen teacher, placed (`place_teacher`)."""
+
+    def teacher_logits(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The teacher's logits for the student's ids, without gradients (None without a teacher)."""
+        if self.teacher is None:
+            return None
+        with torch.no_grad():
+            logits = self.teacher(input_ids=ids, use_cache=False).logits
+        if hasattr(self.teacher, "reshard"):
+            self.teacher.reshard()  # FSDP2 keeps a root's own parameters gathered after its forward
+        return logits
 
     def autocast(self):
         if self.plan["mixed"]:
@@ -260,6 +351,8 @@ class AccelerateRun(Run):
 
 def wrap(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tracker, args) -> Run:
     strategy = plan["strategy"]
+    if plan.get("ep", 1) > 1:
+        return wrap_expert_parallel(plan, module, device, world, tracker)
     if plan["launcher"] == "accelerate" and not args.cpu:
         return wrap_accelerate(plan, module, device)
     if strategy == "tp":
@@ -283,6 +376,59 @@ def wrap(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tra
                                                         else None)
         return DdpRun(plan, ddp, make_optimizer(plan, params), device)
     return Run(plan, module, make_optimizer(plan, params), device)
+
+
+def shard_experts(model, ep: int, device_type: str) -> None:
+    """Each rank keeps E / ep experts of every MoE layer: transformers' expert-parallel plan (`grouped_gemm` on
+    the fused expert weights, `ep_dispatch_experts`: an all-to-all brings each expert its tokens). Applied before
+    the tracker starts, as loading is: every rank cuts its experts from the same whole weights, which then go."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_type, (world // ep, ep, 1), mesh_dim_names=("replicate", "ep", "tp"))
+    names = {name for name, _ in model.named_modules()} | {name for name, _ in model.named_parameters()}
+    layers = range(model.config.num_hidden_layers)
+    # Parameters first (each rule for every layer), then the dispatch, which reads the local expert count.
+    rules = {rule.replace("*", str(i)): style for rule, style in model.ep_plan.items() for i in layers}
+    apply_expert_parallelism(model, mesh["ep"], mesh["tp"], {k: v for k, v in rules.items() if k in names})
+    model.replicate_group = mesh["replicate"].get_group() if world > ep else None
+    gc.collect()  # the whole expert weights the shards were cut from
+
+
+class ExpertParallelRun(DdpRun):
+    """DDP replicas of the dense parts; the experts' gradients (DTensor shards, which DDP ignores) already sum the
+    tokens of the expert-parallel group: summed over the replicas too and divided by the ranks, they are the
+    mean DDP takes of the rest."""
+
+    def __init__(self, plan, module, optimizer, device, groups, world, replicate_group) -> None:
+        super().__init__(plan, module, optimizer, device)
+        self.groups, self.world, self.replicate_group = groups, world, replicate_group
+
+    def step(self) -> None:
+        for param in self.groups[0]:
+            if param.grad is not None:
+                local = param.grad.to_local()
+                if self.replicate_group is not None:
+                    dist.all_reduce(local, group=self.replicate_group)
+                local.div_(self.world)
+        if self.plan["max_grad_norm"]:
+            clip_(self.groups, self.plan["max_grad_norm"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def wrap_expert_parallel(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tracker) -> Run:
+    if tracker is not None:
+        tracker.track(module)  # the experts' local shards and the dense replicas, as loaded
+    module = module.to(device)
+    experts = [name for name, param in module.named_parameters() if hasattr(param, "to_local")]
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, experts)
+    ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.index is not None
+                                                    else None)
+    groups = split_params([p for p in module.parameters() if p.requires_grad])  # the experts first
+    optimizer = make_optimizer(plan, [{"params": group} for group in groups])
+    return ExpertParallelRun(plan, ddp, optimizer, device, groups, world, module.model.replicate_group)
 
 
 def wrap_fsdp2(plan: dict, module: CausalLMLoss, device: torch.device, world: int) -> Run:
@@ -511,7 +657,9 @@ def train_step(run: Run, plan: dict, generator: torch.Generator) -> float:
         ids = ids.to(run.device)
         with run.sync(micro == accum - 1):
             with run.autocast():
-                loss = run.module(ids)
+                teacher_logits = run.teacher_logits(ids)
+                loss = run.module(ids) if teacher_logits is None else run.module(ids, teacher_logits)
+                del teacher_logits  # the KL keeps what it needs of it
             run.backward(loss)
         value = loss.detach()
         total += float(value.full_tensor() if hasattr(value, "full_tensor") else value) / accum
@@ -535,9 +683,10 @@ def write_trace(tracker, folder: Path, rank: int) -> None:
     say(f"rank {rank} trace {path}")
 
 
-def main(plan: dict, load_model, argv: list[str] | None = None) -> None:
+def main(plan: dict, load_model, argv: list[str] | None = None, load_teacher=None) -> None:
     args = parse_args(plan, argv)
     refuse(plan, args, quantized=plan["quantized"])
+    refuse_teacher(plan, args)
     rank, world, device = setup_distributed(args)
     if rank == 0:
         say(f"llamem bundle: {plan['model_name']}, {plan['layout_description']}, {world} process"
@@ -547,11 +696,15 @@ def main(plan: dict, load_model, argv: list[str] | None = None) -> None:
             say("note: accelerate shards nothing on CPU (it falls back to MULTI_CPU data parallel): this CPU run "
                 f"applies the same layout with {plan['strategy']} directly")
     model = build_model(plan, load_model, args)  # in host memory: a GPU holds it only once wrapped
+    teacher = build_teacher(load_teacher, args) if plan.get("teacher") else None
     tracker = make_tracker(args, history=args.memory_trace is not None)
     meter = Meter(tracker, device)
     with tracker if tracker is not None else contextlib.nullcontext():
         run = wrap(plan, model, device, world, tracker, args)
         del model
+        if teacher is not None:
+            run.teacher = place_teacher(plan, teacher, run.device, world, tracker)
+            del teacher
         if tracker is not None:
             say(f"rank {rank} wrapped peak_bytes={meter.take()} live_bytes={tracker.live_bytes}")
         # Tensor-parallel ranks and pipeline stages of one replica take the same batch.

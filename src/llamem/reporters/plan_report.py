@@ -7,6 +7,7 @@ import dataclasses
 from llamem.plan import Plan, shortfall_text, shortfalls
 from llamem.reporters.json_report import workload_dict
 from llamem.snippet import plan_code
+from llamem.teacher_placement import placement_note
 from llamem.units import display_unit, format_in
 
 
@@ -44,6 +45,8 @@ def plan_to_dict(plan: Plan) -> dict:
         out["engine"] = plan.engine
     if plan.megatron_args:
         out["final"]["megatron_args"] = list(plan.megatron_args)
+    if plan.final.workload.task == "distill":
+        out["final"]["teacher"] = placement_note(plan.final.workload, plan.final.layout)
     return out
 
 
@@ -63,6 +66,8 @@ def render_plan(plan: Plan, show_code: bool = False) -> str:
                      f"({format_gib(headroom)} headroom), step time x{plan.relative_step_time:.2f} of the start")
     else:
         lines.append(f"DOES NOT FIT: the closest configuration {shortfall_text(plan)}")
+    teacher = placement_note(plan.final.workload, plan.final.layout)
+    lines += [f"teacher: {teacher}"] if teacher else []
     if plan.final.host_bytes:
         lines.append(f"host memory needed for offload: {format_gib(plan.final.host_bytes)} "
                      f"(budget {format_gib(plan.host_budget_bytes)})")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from llamem.errors import LlamemError
 from llamem.model import ModelSpec, spec_from_config
-from llamem.workload import LORA_TARGETS_ALL, Workload, build_workload
+from llamem.workload import LORA_EXPERTS, LORA_TARGETS_ALL, Workload, build_workload
 
 _OPTIMIZERS = {"AdamW": "adamw", "Adam": "adamw", "SGD": "sgd", "Adafactor": "adafactor",
                "AdamW8bit": "adamw8bit", "PagedAdamW8bit": "adamw8bit", "Adam8bit": "adamw8bit"}
@@ -111,10 +111,13 @@ def _adapter_fields(model, base) -> dict:
     if not peft_config:
         return {}
     config = next(iter(peft_config.values()))
-    targets = config.target_modules
+    targets = config.target_modules or ()
     if isinstance(targets, str):  # "all-linear" or a regex: the projections it matches
         targets = LORA_TARGETS_ALL
-    return {"lora_rank": int(config.r), "lora_targets": tuple(t for t in LORA_TARGETS_ALL if t in set(targets))}
+    named = tuple(t for t in LORA_TARGETS_ALL if t in set(targets))
+    # peft's target_parameters on the fused 3-D experts (experts.gate_up_proj, experts.down_proj)
+    experts = any("experts" in str(p) for p in (getattr(config, "target_parameters", None) or ()))
+    return {"lora_rank": int(config.r), "lora_targets": named + ((LORA_EXPERTS,) if experts else ())}
 
 
 def _task_of(model, base, fields: dict) -> str:

@@ -123,8 +123,12 @@ def _add_lora(model: nn.Module, workload: Workload):
     if workload.quant != "none":
         # peft only wraps the Linear types it knows; wrap our stand-in as a plain custom module.
         return _add_lora_on_emulated(model, workload)
+    from llamem.analytic.moe_lora import lora_linear_targets, peft_target_parameters
+
+    # The fused 3-D experts are parameters, not Linear modules: peft adapts them through target_parameters.
     config = LoraConfig(r=workload.lora_rank, lora_alpha=2 * workload.lora_rank,
-                        target_modules=list(workload.lora_targets), lora_dropout=0.0)
+                        target_modules=list(lora_linear_targets(workload)),
+                        target_parameters=list(peft_target_parameters(workload)) or None, lora_dropout=0.0)
     return get_peft_model(model, config)
 
 

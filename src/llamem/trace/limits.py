@@ -14,3 +14,6 @@ def check_traceable(w: Workload) -> None:
         raise InvalidWorkload([f"--new-tokens {w.new_tokens}: llamem trace runs every decoding step, at most "
                                f"{MAX_TRACED_NEW_TOKENS}; `llamem estimate` sizes any number (the cache of the last "
                                "step is the largest)"])
+    if w.teacher_placement == "sharded":
+        raise InvalidWorkload(["--teacher-placement sharded: llamem trace runs one GPU, where the teacher is whole; "
+                               "size the sharded teacher with `llamem estimate ... --gpus N`, or drop the flag"])

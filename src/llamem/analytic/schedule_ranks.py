@@ -1,0 +1,362 @@
+"""One data-parallel rank's own allocation schedule, for its reserved memory (`llamem.device`).
+
+The single-GPU schedule (`llamem.analytic.schedule`) walks a training step op by op and marks the
+points where a data-parallel engine acts (`Events.mark`). A rank's events act there:
+
+- DDP (`torch/nn/parallel/distributed.py`, torch 2.13, the launch bundle's defaults): at wrap time
+  `_sync_module_states` broadcasts the parameters through one flat copy per 250 MiB
+  (`_broadcast_coalesced`), freed at once; then the reducer allocates its gradient buckets, one flat
+  tensor per bucket (gradient_as_bucket_view=False: autograd's gradients are copied into them and back).
+  The first buckets hold every parameter in one (`compute_bucket_size_limits`: no bucketing before the
+  first step unless find_unused_parameters); at the second step's forward the reducer rebuilds them in
+  the order the gradients became ready (about reverse parameter order), a bucket closing once it reaches
+  1 MiB for the first (`_DEFAULT_FIRST_BUCKET_BYTES`) and 25 MiB (bucket_cap_mb) for the others, the
+  old ones freed first. The all-reduce works in place.
+- FSDP2 ZeRO-3 (`fully_shard` on the embedding, each decoder layer and [final norm, lm_head], with
+  `MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=fp32)` under a mixed precision; torch
+  2.13 `_fully_shard/_fsdp_param_group.py`, `_fsdp_collectives.py`): the rank holds its padded fp32
+  shards (one tensor per parameter) and the optimizer state on them; the step's activations are the
+  compute dtype's (no autocast). Per unit in forward: the all-gather's flat input (the shards cast to
+  the param dtype, freed once the collective is issued) and flat output, then the unsharded parameters
+  copied out of it (one tensor each), the previous unit's output freed at that copy-out; after the
+  unit's forward its parameters are freed (resharded), except the head's (reshard_after_forward=False),
+  whose output the root's post-forward frees. In backward each unit's pre-backward copies its
+  parameters out of the prefetched output, frees it and all-gathers the next unit's; its post-backward
+  reshards, frees the previous reduce-scatter input, makes its own (fp32, flat), releases its unsharded
+  gradients but the last (the loop variable holds it) and makes the reduce-scatter output, whose views
+  are the sharded gradients until `zero_grad`.
+
+CUDA only (`backend="nccl"`, what `llamem estimate` sizes): FSDP2 allocates an all-gather's input and
+output in its all-gather copy-in stream and the reduce-scatter output in its reduce-scatter stream
+(`_fsdp_collectives.py` `foreach_all_gather`, `foreach_reduce`; `get_all_gather_streams` in
+`_fsdp_param_group.py`), and the caching allocator caches blocks per stream, so those buffers never
+share a segment with the default stream's tensors: the schedule allocates them on streams 1 and 2.
+NCCL's own buffers are outside PyTorch's allocator (`llamem.overhead`'s non-torch bytes count them);
+DDP's all-reduce works in place in its buckets.
+CPU only (`backend="gloo"`, the schedule of the launch bundle's `--cpu` run): one stream, and gloo
+reduces a copy of each reduce-scatter input, which its worker thread lets go of before the next unit's
+all-gather or, in some runs, just after it (then up to one unit's all-gather above the schedule's peak).
+
+- Tensor parallel (`parallelize_module` with torchtitan's plan, the launch bundle's; `spec` is the rank's
+  share, `llamem.parallel.shard_spec`): the single-GPU schedule of the share, where the functional
+  all-reduce (`_functional_collectives.all_reduce`, a new tensor; the partial one freed at once) replaces
+  each row-parallel output in forward (o_proj, down_proj, the vocabulary-split embedding) and each
+  column-parallel input's gradient in backward (q, k, v, gate, up, lm_head: each reduced on its own, by
+  `DTensor.from_local`'s backward, before they are summed); DTensor computes the embedding's gradient for
+  the whole vocabulary (no vocabulary-sharded strategy for `embedding_dense_backward`), alive until
+  `zero_grad` (V rounded up to a multiple of tp). With data-parallel replicas, DDP's buckets on the shards
+  too (not run by the bundle, which emits no 2-D meshes).
+
+Other layouts (pipeline and expert parallelism, ZeRO-1/2/3 under DeepSpeed, offload, adapters,
+distillation; tensor parallel with tied embeddings, experts or the chunked loss; under FSDP2 also tied
+embeddings, experts, accumulation and the chunked loss) replay the single-GPU schedule of the GPU's share
+(`rank_schedule_kind` says which; the report's notes say so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from llamem.allocator.replay import AllocEvent
+from llamem.analytic.common import r512
+from llamem.analytic.schedule import Events, optimizer_state_tensors, training_schedule, training_steps
+from llamem.analytic.weights import rope_buffer_bytes, trainable_numels, trainable_tensor_sizes
+from llamem.dtypes import DTYPE_BYTES
+from llamem.model import ModelSpec
+from llamem.parallel import Layout
+from llamem.workload import Workload, with_changes
+
+Backend = Literal["nccl", "gloo"]
+"""Where the rank runs: on CUDA with NCCL (FSDP2's buffers on its own streams, NCCL's outside PyTorch's
+allocator), or on CPU with gloo (one stream, gloo's copy of each reduce-scatter input)."""
+ALL_GATHER_STREAM = 1
+"""FSDP2's all-gather copy-in stream: the all-gather's input and output are allocated there."""
+REDUCE_SCATTER_STREAM = 2
+"""FSDP2's reduce-scatter stream: the reduce-scatter output (the sharded gradients) is allocated there."""
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+"""torch.distributed._DEFAULT_FIRST_BUCKET_BYTES: the first rebuilt bucket's limit."""
+DDP_BUCKET_BYTES = 25 << 20
+"""DistributedDataParallel's bucket_cap_mb=25."""
+BROADCAST_BUFFER_BYTES = 250 << 20
+"""DistributedDataParallel's broadcast_bucket_size: `_sync_module_states`' flat copies at most this large."""
+
+
+def rank_schedule_kind(spec: ModelSpec, w: Workload, layout: Layout) -> str | None:
+    """"ddp", "fsdp2" or "tp" where a rank's own schedule is built here, None where the GPU's share replays the
+    single-GPU schedule."""
+    if (layout.num_gpus == 1 or layout.pp > 1 or layout.ep != 1 or layout.offload != "none"
+            or w.task != "train" or w.uses_adapters):
+        return None
+    if layout.tp > 1:  # what the tensor-parallel bundle runs: untied embeddings, dense layers, the whole loss
+        plain = not spec.tie_word_embeddings and not spec.is_moe and w.loss != "chunked"
+        return "tp" if plain and layout.sharding in ("none", "ddp") else None
+    if layout.sharding == "ddp":
+        return "ddp"
+    if (layout.sharding == "zero3" and layout.engine == "fsdp2" and not spec.tie_word_embeddings
+            and not spec.is_moe and w.grad_accum == 1 and w.loss != "chunked"
+            and w.optimizer in ("adamw", "adamw-fused", "sgd")):
+        return "fsdp2"
+    return None
+
+
+def schedule_layout(spec: ModelSpec, w: Workload, layout: Layout) -> Layout | None:
+    """The layout that names this rank's schedule (None: the single-GPU one). A DDP rank's schedule does not
+    depend on the number of ranks, so all DDP layouts name one, and a plan's probes are shared; a tensor-
+    parallel rank's depends on the split (its `spec` is the share) and on whether it has replicas."""
+    kind = rank_schedule_kind(spec, w, layout)
+    if kind == "tp":  # the same for any number of replicas beyond one
+        return Layout(dp=min(layout.dp, 2), tp=layout.tp, sharding=layout.sharding)
+    return Layout(dp=2, sharding="ddp") if kind == "ddp" else layout if kind else None
+
+
+def rank_schedule(spec: ModelSpec, w: Workload, layout: Layout, backend: Backend = "nccl") -> list[AllocEvent]:
+    """The allocation schedule of one rank of `layout` (see the module); `rank_schedule_kind` must name it."""
+    kind = rank_schedule_kind(spec, w, layout)
+    if kind == "ddp":
+        return ddp_schedule(spec, w)
+    if kind == "tp":
+        return tp_schedule(spec, w, layout)
+    assert kind == "fsdp2", f"no rank schedule for {layout.describe()}"
+    return fsdp2_schedule(spec, w, layout.dp, backend)
+
+
+# DDP ------------------------------------------------------------------------------------------------
+def ddp_bucket_bytes(grad_bytes: list[int], limits: list[int]) -> list[int]:
+    """Flat buckets of gradients of `grad_bytes` (in the order they are bucketed), a bucket closing once
+    it reaches its limit (the last limit repeats), as `compute_bucket_assignment_by_size` does."""
+    buckets, size, index = [], 0, 0
+    for nbytes in grad_bytes:
+        size += nbytes
+        if size >= limits[index]:
+            buckets.append(r512(size))
+            size, index = 0, min(index + 1, len(limits) - 1)
+    return buckets + ([r512(size)] if size else [])
+
+
+def broadcast_chunks(param_bytes: list[int]) -> list[int]:
+    """`_broadcast_coalesced`' flat copies: parameters taken in order into chunks of at most 250 MiB."""
+    chunks, size = [], 0
+    for nbytes in param_bytes:
+        if size and size + nbytes > BROADCAST_BUFFER_BYTES:
+            chunks.append(r512(size))
+            size = 0
+        size += nbytes
+    return chunks + ([r512(size)] if size else [])
+
+
+class DdpEvents(Events):
+    """A DDP rank: the wrap's broadcast copies and first bucket, the buckets rebuilt at the second step."""
+
+    def __init__(self, param_bytes: list[int]) -> None:
+        super().__init__()
+        self.param_bytes = param_bytes
+        self.buckets: list[int] = []
+
+    def mark(self, point: str, unit: int | str | None = None, grads: list[int] | None = None) -> None:
+        if point == "wrap":
+            for chunk in broadcast_chunks(self.param_bytes):
+                self.free(self.alloc([chunk]))
+            self.buckets = self.alloc(ddp_bucket_bytes(self.param_bytes, [2**63]))
+        elif point == "step" and unit == 1:
+            self.free(self.buckets)
+            ready = list(reversed(self.param_bytes))
+            self.buckets = self.alloc(ddp_bucket_bytes(ready, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES]))
+
+
+def ddp_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
+    """The single-GPU training schedule with DDP's broadcast and buckets (fp32 gradients under autocast)."""
+    element = DTYPE_BYTES[w.weight_dtype]
+    return training_schedule(spec, w, DdpEvents([element * n for n in trainable_numels(spec, w)]))
+
+
+# Tensor parallel ------------------------------------------------------------------------------------
+ROW_PARALLEL = frozenset({"o_proj", "down_proj", "embed"})
+"""Projections whose partial outputs a tensor-parallel rank all-reduces in forward."""
+COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"})
+"""Projections whose input gradients (partial sums) a tensor-parallel rank all-reduces in backward."""
+
+
+class TpEvents(DdpEvents):
+    """A tensor-parallel rank (with DDP's buckets when it has data-parallel replicas too): the all-reduced
+    copies of row-parallel outputs and column-parallel input gradients, the whole-vocabulary embedding
+    gradient. A tensor replaced by a copy is freed where the schedule frees the original."""
+
+    def __init__(self, param_bytes: list[int], replicas: int, whole_embedding_bytes: int) -> None:
+        super().__init__(param_bytes)
+        self.replicas, self.whole_embedding_bytes = replicas, whole_embedding_bytes
+        self.sizes: dict[int, int] = {}
+        self.replaced: dict[int, int] = {}
+
+    def alloc(self, sizes: list[int], stream: int = 0) -> list[int]:
+        ids = super().alloc(sizes, stream)
+        self.sizes.update(zip(ids, (size for size in sizes if size > 0)))
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        super().free([self.replaced.pop(i, i) for i in ids])
+
+    def replace(self, tensor: int, size: int) -> None:
+        """A new tensor of `size` takes `tensor`'s place; `tensor` is freed at once."""
+        self.replaced[tensor] = self.alloc([size])[0]
+        super().free([tensor])
+
+    def projection(self, name: str, tensor: int, backward: bool = False) -> None:
+        # The functional all-reduce writes a new tensor; the partial one dies with the redistribute.
+        if name in (COLUMN_PARALLEL if backward else ROW_PARALLEL):
+            self.replace(tensor, self.sizes[tensor])
+
+    def mark(self, point: str, unit: int | str | None = None, grads: list[int] | None = None) -> None:
+        if point == "backward_done" and unit == "embed" and grads and self.whole_embedding_bytes:
+            # DTensor's embedding backward runs replicated: the whole V x h gradient, the shard a view of it.
+            self.replace(grads[0], self.whole_embedding_bytes)
+        elif self.replicas > 1:
+            super().mark(point, unit, grads)
+
+
+def tp_schedule(spec: ModelSpec, w: Workload, layout: Layout) -> list[AllocEvent]:
+    """The single-GPU schedule of the rank's share (`spec`: `llamem.parallel.shard_spec`) with the
+    collectives' copies and the whole embedding gradient (`parallel.add_whole_embedding_gradient`'s)."""
+    element = DTYPE_BYTES[w.weight_dtype]
+    whole = r512(element * spec.vocab_size * layout.tp * spec.hidden_size) if not spec.tie_word_embeddings else 0
+    ev = TpEvents([element * n for n in trainable_numels(spec, w)], layout.dp, whole)
+    return training_schedule(spec, w, ev)
+
+
+# FSDP2 ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fsdp2Sizes:
+    """One `fully_shard` unit's tensors on one rank of N (each rounded to 512 bytes as the allocator does)."""
+
+    shards_bytes: tuple[int, ...]
+    """Each parameter's padded shard in the storage dtype."""
+    gathered_bytes: tuple[int, ...]
+    """Each unsharded parameter in the param dtype (dim 0 padded to N shards)."""
+    copy_in_bytes: int
+    """The all-gather's flat input: the shards cast to the param dtype."""
+    output_bytes: int
+    """The all-gather's flat output."""
+    rs_input_bytes: int
+    """The reduce-scatter's flat input, in the reduce dtype."""
+    rs_output_bytes: int
+    """The reduce-scatter's output: the unit's sharded gradients."""
+
+
+def fsdp2_sizes(shapes: list[tuple[int, int]], w: Workload, world: int) -> Fsdp2Sizes:
+    """A unit of parameters of (rows, columns) shapes in module order; the same terms as
+    `llamem.parallel.fsdp2_unit`, tensor by tensor."""
+    param, storage = DTYPE_BYTES[w.compute_dtype], DTYPE_BYTES[w.weight_dtype]
+    reduce = 4 if w.mixed else storage
+    padded = [-(-rows // world) * world * cols for rows, cols in shapes]
+    total = sum(padded)
+    return Fsdp2Sizes(shards_bytes=tuple(r512(storage * n // world) for n in padded),
+                      gathered_bytes=tuple(r512(param * n) for n in padded), copy_in_bytes=r512(param * total // world),
+                      output_bytes=r512(param * total), rs_input_bytes=r512(reduce * total),
+                      rs_output_bytes=r512(reduce * total // world))
+
+
+def fsdp2_unit_sizes(spec: ModelSpec, w: Workload, world: int) -> dict[int | str, Fsdp2Sizes]:
+    """The bundle's units: "embed", each layer by index, "head" (final norm and lm_head), in module order."""
+    h = spec.hidden_size
+    layer = [(fan_out, fan_in) for fan_in, fan_out in spec.layer_linear_shapes().values()] + [(h, 1), (h, 1)]
+    units: dict[int | str, Fsdp2Sizes] = {"embed": fsdp2_sizes([(spec.vocab_size, h)], w, world)}
+    units.update({index: fsdp2_sizes(layer, w, world) for index in range(spec.num_layers)})
+    units["head"] = fsdp2_sizes([(h, 1), (spec.vocab_size, h)], w, world)
+    return units
+
+
+class Fsdp2Events(Events):
+    """An FSDP2 rank: its units' all-gathers, reshards and reduce-scatters at the schedule's marks."""
+
+    def __init__(self, units: dict[int | str, Fsdp2Sizes], backend: Backend) -> None:
+        super().__init__()
+        self.units, self.backend = units, backend
+        self.backward_order = ["head", *sorted((u for u in units if isinstance(u, int)), reverse=True), "embed"]
+        self.live: set[int] = set()
+        self.gathered: dict[int | str, list[int]] = {}
+        self.outputs: dict[int | str, list[int]] = {}
+        self.last_output: list[int] = []
+        self.rs_input: list[int] = []
+        self.grad_shards: list[int] = []
+
+    def alloc(self, sizes: list[int], stream: int = 0) -> list[int]:
+        ids = super().alloc(sizes, stream)
+        self.live.update(ids)
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        """Gradients a reduce-scatter released are gone when the step frees the rest."""
+        ids = [i for i in ids if i in self.live]
+        self.live.difference_update(ids)
+        super().free(ids)
+
+    def mark(self, point: str, unit: int | str | None = None, grads: list[int] | None = None) -> None:
+        if point == "forward":
+            self.all_gather(unit)
+            self.copy_out(unit)
+            self.free(self.last_output)
+            self.last_output = self.outputs.pop(unit)
+        elif point == "forward_done" and unit == "model":  # the root's post-forward, after the loss
+            self.free(self.last_output)
+            self.last_output = []
+        elif point == "forward_done" and unit != "head":
+            self.free(self.gathered.pop(unit))
+        elif point == "backward":
+            self.pre_backward(unit)
+        elif point == "backward_done":
+            self.reduce_scatter(unit, grads or [])
+        elif point == "zero_grad":
+            self.free(self.grad_shards)
+            self.grad_shards = []
+
+    def stream(self, stream: int) -> int:
+        """FSDP2's own stream on CUDA; the one stream on CPU."""
+        return stream if self.backend == "nccl" else 0
+
+    def all_gather(self, unit: int | str) -> None:
+        sizes, stream = self.units[unit], self.stream(ALL_GATHER_STREAM)
+        copy_in = self.alloc([sizes.copy_in_bytes], stream)
+        self.outputs[unit] = self.alloc([sizes.output_bytes], stream)
+        self.free(copy_in)
+
+    def copy_out(self, unit: int | str) -> None:
+        self.gathered[unit] = self.alloc(list(self.units[unit].gathered_bytes))
+
+    def pre_backward(self, unit: int | str) -> None:
+        """The head is still gathered; any other unit copies its parameters out of the prefetched output.
+        Then the next unit's all-gather is issued."""
+        if unit != "head":
+            self.copy_out(unit)
+            self.free(self.outputs.pop(unit))
+        following = self.backward_order.index(unit) + 1
+        if following < len(self.backward_order):
+            self.all_gather(self.backward_order[following])
+
+    def reduce_scatter(self, unit: int | str, grads: list[int]) -> None:
+        sizes = self.units[unit]
+        self.free(self.gathered.pop(unit) + self.rs_input)  # resharded first (`post_backward`)
+        self.rs_input = self.alloc([sizes.rs_input_bytes])
+        self.free(grads[:-1])
+        self.grad_shards += self.alloc([sizes.rs_output_bytes], self.stream(REDUCE_SCATTER_STREAM))
+        if self.backend == "gloo":  # gloo reduces a copy of the input
+            self.free(self.alloc([sizes.rs_input_bytes]))
+        self.free(grads[-1:])
+        if unit == "embed":  # the last unit: the root's post-backward lets go of its input
+            self.free(self.rs_input)
+            self.rs_input = []
+
+
+def fsdp2_schedule(spec: ModelSpec, w: Workload, world: int, backend: Backend = "nccl") -> list[AllocEvent]:
+    """One FSDP2 rank's training steps (see the module): its fp32 shards and RoPE's buffers, the compute
+    dtype's activations, the optimizer on the shards."""
+    units = fsdp2_unit_sizes(spec, w, world)
+    ev = Fsdp2Events(units, backend)
+    ordered = [units["embed"], *(units[i] for i in range(spec.num_layers)), units["head"]]
+    shards = [size for unit in ordered for size in unit.shards_bytes]
+    ev.alloc(shards + [rope_buffer_bytes(spec) // 2] * 2)  # inv_freq, original_inv_freq
+    compute = with_changes(w, precision=w.compute_dtype)
+    unsharded = trainable_tensor_sizes(spec, compute)  # [embedding, layers..., final norm, lm_head]
+    numels = [size // DTYPE_BYTES[w.weight_dtype] for size in shards]
+    # Module order is the shards' too: embedding, each layer, final norm, lm_head.
+    state = optimizer_state_tensors(w, numels, shards)
+    return training_steps(spec, compute, ev, unsharded[-2:], unsharded[:1], shards, state)
