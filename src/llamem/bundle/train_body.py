@@ -228,16 +228,8 @@ def place_teacher(plan: dict, teacher, device: torch.device, world: int, tracker
             tracker.track(teacher, category="weights/teacher")
         return teacher.to(device)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (world,))
-    if not teacher.config.tie_word_embeddings:  # a tied weight cannot sit in two units: it stays in the root's
-        fully_shard(teacher.model.embed_tokens, mesh=mesh)
-        fully_shard([teacher.model.norm, teacher.lm_head], mesh=mesh)
-    for layer in teacher.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(teacher, mesh=mesh)
-    gc.collect()  # the unsharded weights sit in reference cycles until a collection
+    shard_units(teacher, teacher.model.layers, teacher, init_device_mesh(device.type, (world,)))
     if tracker is not None:
         tracker.track(list(teacher.buffers()), category="weights/teacher")  # fully_shard moves buffers whole
     return teacher
@@ -431,26 +423,35 @@ def wrap_expert_parallel(plan: dict, module: CausalLMLoss, device: torch.device,
     return ExpertParallelRun(plan, ddp, optimizer, device, groups, world, module.model.replicate_group)
 
 
+def shard_units(base, layers, root, mesh, *, policy=None, keep_head_gathered: bool = False) -> None:
+    """FSDP2 units as torchtitan wraps a Llama (parallelize_llama): the embedding, each decoder layer, the final
+    norm with the head, then the root. Left in the root, the embedding and head (the largest tensors) would
+    stay gathered through the whole step; a tied weight cannot sit in two units, so tied ones stay there."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = policy or MixedPrecisionPolicy()  # the default policy: no casts
+    separate = not base.config.tie_word_embeddings
+    if separate:
+        fully_shard(base.model.embed_tokens, mesh=mesh, mp_policy=policy)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    if separate:
+        fully_shard([base.model.norm, base.lm_head], mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=not keep_head_gathered)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
+    gc.collect()  # the unsharded weights sit in reference cycles until a collection
+
+
 def wrap_fsdp2(plan: dict, module: CausalLMLoss, device: torch.device, world: int) -> Run:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[plan["compute_dtype"]], reduce_dtype=torch.float32) if (
         plan["mixed"]) else MixedPrecisionPolicy()
     base = module.model.get_base_model() if hasattr(module.model, "get_base_model") else module.model
-    # torchtitan's units (parallelize_llama): the embedding, each decoder layer, the final norm with the head
-    # (kept gathered from the end of forward into backward, which starts there), then the root. Left in the
-    # root, the embedding and head (the largest tensors) would stay gathered from forward until backward ends.
-    separate = not base.config.tie_word_embeddings  # a tied weight cannot sit in two units
-    if separate:
-        fully_shard(base.model.embed_tokens, mesh=mesh, mp_policy=policy)
-    for layer in decoder_layers(module.model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    if separate:
-        fully_shard([base.model.norm, base.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    fully_shard(module, mesh=mesh, mp_policy=policy)
-    gc.collect()  # the unsharded weights sit in reference cycles until a collection
+    # the head's unit stays gathered from the end of forward into backward, which starts there
+    shard_units(base, decoder_layers(module.model), module, mesh, policy=policy, keep_head_gathered=True)
     params = [p for p in module.parameters() if p.requires_grad]
     return Fsdp2Run(plan, module, make_optimizer(plan, params), device)
 
