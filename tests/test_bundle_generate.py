@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from bundle_runner import H, V, _layer_shapes, config_path, launch  # noqa: E402
+from bundle_runner import H, V, Launch, _layer_shapes, config_path  # noqa: E402
 
 from llamem.bundle import emit_bundle, layout_plan  # noqa: E402
 from llamem.bundle.emit import bundle_runs, emit_plan  # noqa: E402
@@ -42,12 +42,23 @@ def _steps(stdout: str) -> dict[int, tuple[int, int, int]]:
     return {int(m[1]): (int(m[2]), int(m[3]), int(m[4])) for line in stdout.splitlines() if (m := STEP.match(line))}
 
 
-def test_device_map_bundle_runs_as_one_process(config_path, tmp_path):
-    plan, single = _generation_plan(config_path, pp=2)
-    bundle = emit_bundle(plan, tmp_path)
+@pytest.fixture(scope="module")
+def started(config_path, tmp_path_factory) -> dict:
+    """Per layout (device_map, tp): its plan, the single-GPU plan, the bundle and its CPU rehearsal, started
+    together (they run side by side)."""
+    out = {}
+    for name, layout in (("device_map", {"pp": 2}), ("tp", {"tp": 2})):
+        plan, single = _generation_plan(config_path, **layout)
+        bundle = emit_bundle(plan, tmp_path_factory.mktemp(name))
+        out[name] = plan, single, bundle, Launch(bundle.directory, ["--cpu", "--random-init"])
+    return out
+
+
+def test_device_map_bundle_runs_as_one_process(started):
+    _plan, single, bundle, run = started["device_map"]
     assert (bundle.strategy, bundle.launcher, bundle.unsupported) == ("device_map", "python", None)
     assert "generate.py" in bundle.files and "train.py" not in bundle.files
-    stdout = launch(tmp_path, ["--cpu", "--random-init"])
+    stdout = run.stdout()
     layer = sum(o * i * 4 for o, i in _layer_shapes()) + 2 * H * 4
     rope = 2 * (H // 4 // 2) * 4  # inv_freq and original_inv_freq, head_dim / 2 floats each
     assert f"device_map weights_bytes gpu0={V * H * 4 + layer + rope} gpu1={layer + H * 4 + V * H * 4}" in stdout
@@ -57,11 +68,10 @@ def test_device_map_bundle_runs_as_one_process(config_path, tmp_path):
     assert abs(peak - single.final.allocated_bytes) <= 0.02 * single.final.allocated_bytes
 
 
-def test_tensor_parallel_generation_bundle_runs_on_two_ranks(config_path, tmp_path):
-    plan, _single = _generation_plan(config_path, tp=2)
-    bundle = emit_bundle(plan, tmp_path)
+def test_tensor_parallel_generation_bundle_runs_on_two_ranks(started):
+    plan, _single, bundle, run = started["tp"]
     assert (bundle.strategy, bundle.launcher, bundle.unsupported) == ("tp", "torchrun", None)
-    steps = _steps(launch(tmp_path, ["--cpu", "--random-init"]))
+    steps = _steps(run.stdout())
     assert steps[0][:2] == steps[1][:2] and steps[0][0] == 8  # both ranks sample the same tokens
     estimate = plan.final.allocated_bytes
     for _tokens, _last, peak in steps.values():

@@ -1,4 +1,4 @@
-"""Tensor- and pipeline-parallel launch bundles run: `bash launch.sh --cpu --random-init --max-steps 1`
+"""Tensor- and pipeline-parallel launch bundles run: `bash launch.sh --cpu --random-init --max-steps 2`
 starts the 2 planned processes of a tiny Llama on CPU with gloo (torch 2.13 runs DTensor's tensor
 parallel and `torch.distributed.pipelining` there), each counted as its GPU by llamem's tracker
 (pipeline parallel: test_bundle_pipeline.py; both run the bundles with bundle_runner.py).
@@ -28,9 +28,9 @@ from llamem.workload import build_workload  # noqa: E402
 __all__ = ["config_path"]  # the fixture
 
 
-def test_tensor_parallel_bundle_runs_on_two_ranks(config_path, tmp_path):
+def test_tensor_parallel_bundle_runs_on_two_ranks(config_path, tmp_path_factory):
     plan = _plan(config_path, tp=2)
-    ranks = _run(plan, tmp_path / "tp")
+    ranks = _run(plan, tmp_path_factory)  # the wrap and the first step of the session's 2-step run
     colwise = [(o // 2, i) for o, i in _layer_shapes()[:3] + _layer_shapes()[4:6]]
     rowwise = [(o, i // 2) for o, i in (_layer_shapes()[3], _layer_shapes()[6])]
     vocab = [(V // 2, H), (V // 2, H)]  # the embedding and the head, split over the vocabulary

@@ -1,10 +1,14 @@
 """The pipeline-parallel launch bundle runs two stages on CPU (gloo) with `torch.distributed.pipelining`:
 each stage holds exactly its layers (the first the embedding, the last the final norm and the head), and
 each stage's peak over two steps (the second has the optimizer's state) is within 2 % of `llamem estimate
---pp 2`'s figure for that stage (`llamem.pipeline_stages`); the estimate reports the busiest, the last."""
+--pp 2`'s figure for that stage (`llamem.pipeline_stages`); the estimate reports the busiest, the last.
+With `--memory-trace` each stage writes its event stream, which the allocator simulator replays to the same
+reserved memory as that stage's own schedule (`llamem.analytic.schedule_pipeline`), the one the estimate's
+device figure comes from."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -24,11 +28,17 @@ from bundle_runner import (  # noqa: E402
     launch,
 )
 
+from llamem.allocator.replay import load_events, smallest_card  # noqa: E402
+from llamem.analytic.schedule_pipeline import StagePlace, action_order, stage_schedule  # noqa: E402
+from llamem.analytic.schedule_ranks import rank_schedule, rank_schedule_kind  # noqa: E402
 from llamem.bundle import emit_bundle  # noqa: E402
-from llamem.parallel import pipeline_phases, pipeline_stage_phases  # noqa: E402
+from llamem.cli import main  # noqa: E402
+from llamem.parallel import make_layout, pipeline_phases, pipeline_stage_phases, shard_spec  # noqa: E402
 from llamem.trace.tracer import rounded  # noqa: E402
 
 __all__ = ["config_path"]  # the fixture
+
+MiB = 2**20
 
 
 def _peak(phases: dict[str, dict[str, int]]) -> int:
@@ -37,11 +47,12 @@ def _peak(phases: dict[str, dict[str, int]]) -> int:
 
 @pytest.fixture(scope="module")
 def pipeline_run(config_path, tmp_path_factory):
-    """The 2-stage plan (two micro-batches: 1F1B) and, per rank, its wrapped live bytes, losses and peak."""
+    """The 2-stage plan (two micro-batches: 1F1B), per rank its wrapped live bytes, losses and peak, and the
+    folder of the ranks' event streams (rank0.json, rank1.json)."""
     plan = _plan(config_path, pp=2, grad_accum=2)
     folder = tmp_path_factory.mktemp("pp")
     assert emit_bundle(plan, folder).unsupported is None
-    stdout = launch(folder, ["--cpu", "--random-init", "--max-steps", "2"])
+    stdout = launch(folder, ["--cpu", "--random-init", "--max-steps", "2", "--memory-trace", str(folder / "traces")])
     ranks: dict[int, dict] = {0: {"losses": []}, 1: {"losses": []}}
     for line in stdout.splitlines():
         if match := LINE.match(line):
@@ -52,11 +63,12 @@ def pipeline_run(config_path, tmp_path_factory):
         elif match := re.match(r"^rank (\d+) peak_bytes=(\d+)$", line):
             ranks[int(match[1])]["peak"] = int(match[2])
     assert all(len(r) == 3 and len(r["losses"]) == 2 for r in ranks.values()), stdout
-    return plan, ranks
+    assert len(re.findall(r"^rank \d trace ", stdout, re.MULTILINE)) == 2, stdout
+    return plan, ranks, folder / "traces"
 
 
 def test_each_stage_holds_its_own_layers(pipeline_run):
-    plan, ranks = pipeline_run
+    plan, ranks, _traces = pipeline_run
     assert plan.final.layout.microbatches == 2
     layer = sum(rounded(o * i * 4) for o, i in _layer_shapes()) + 2 * NORM_BYTES
     embedding = head = rounded(V * H * 4)
@@ -67,7 +79,7 @@ def test_each_stage_holds_its_own_layers(pipeline_run):
 
 
 def test_each_stage_peaks_at_its_estimate(pipeline_run):
-    plan, ranks = pipeline_run
+    plan, ranks, _traces = pipeline_run
     spec, w, layout = plan.model, plan.final.workload, plan.final.layout
     stages = [_peak(pipeline_stage_phases(spec, w, layout, stage)) for stage in (0, 1)]
     # Measured 1,421,824 (the first step's optimizer step: no gradients before its first backward) and
@@ -111,3 +123,75 @@ def test_a_tied_embedding_is_held_by_both_end_stages(config_path):
     assert weights[False][0] - weights[False][1] == vocab
     assert weights[False][2] - weights[False][1] == vocab + NORM_BYTES  # with the final norm
     assert weights[True][0] == weights[False][0] and weights[True][1] == weights[False][1]
+
+
+def test_each_stage_replays_its_own_schedule(pipeline_run):
+    """Each stage's recorded events and its own schedule reserve the same on the smallest card (one 2 MiB
+    segment each) and peak at the same bytes, but for one 512-byte tensor of stage 0's step bookkeeping (its
+    peak is the first step's optimizer step), which the schedule leaves out. Stage 1 peaks in the second
+    step's last loss backward, in both."""
+    plan, ranks, traces = pipeline_run
+    spec, w, layout = plan.model, plan.final.workload, plan.final.layout
+    assert rank_schedule_kind(spec, w, layout) == "pipeline"
+    local = shard_spec(spec, layout)  # each stage's one layer
+    schedules = [smallest_card(rank_schedule(local, w, layout, stage=stage)) for stage in (0, 1)]
+    assert schedules == [(1_421_312, 2 * MiB), (1_671_168, 2 * MiB)]
+    for stage, (allocated, reserved) in enumerate(schedules):
+        traced_allocated, traced_reserved = smallest_card(load_events(traces / f"rank{stage}.json"))
+        assert traced_allocated == ranks[stage]["peak"]
+        assert traced_reserved == reserved
+        assert abs(allocated - traced_allocated) <= 0.02 * traced_allocated, (stage, allocated, traced_allocated)
+
+
+def test_the_estimate_takes_the_worst_stages_reserved_memory(config_path, capsys):
+    """`estimate --pp 2`: the busiest stage's allocated peak plus the stages' worst reserved memory beyond it,
+    from the stages' own schedules; the note names the stage."""
+    capsys.readouterr()
+    assert main(["estimate", "--config", str(config_path), "--batch", "2", "--seq", "16", "--grad-accum", "2",
+                 "--precision", "bf16-mixed", "--optimizer", "adamw", "--gpus", "2", "--pp", "2", "--json"]) == 0
+    notes = " ".join(json.loads(capsys.readouterr().out)["notes"])
+    assert "each pipeline stage's own allocation schedule" in notes
+    assert "the device figure is stage 1's reserved memory" in notes
+    assert "replayed as one device" not in notes
+    from llamem.model import load_model
+    from llamem.sizing import estimate_report
+    from llamem.workload import build_workload
+
+    spec = load_model(None, config_path=str(config_path))
+    w = build_workload("train", batch=2, seq=16, grad_accum=2, precision="bf16-mixed", optimizer="adamw")
+    device = estimate_report(spec, w, make_layout(spec, w, gpus=2, pp=2)).device
+    # This shape: stage 1's reserved 2 MiB over its schedule's 1,671,168 allocated, on the estimate's 1,670,144.
+    assert device.peak_allocated_bytes == 1_670_144
+    assert device.exact_shape_device_bytes - device.non_torch_bytes == 1_670_144 + 2 * MiB - 1_671_168
+
+
+def test_one_f_one_b_and_gpipe_order_a_stages_micro_batches():
+    """Schedule1F1B: min(p - s, M) warm-up forwards, then a backward and a forward in turn, then the rest of
+    the backwards; GPipe (and 1F1B below p micro-batches) every forward first."""
+    def order(stage: int, microbatches: int, schedule: str = "1f1b") -> str:
+        place = StagePlace(stage=stage, stages=4, microbatches=microbatches, schedule=schedule)
+        return " ".join(f"{action}{index}" for action, index in action_order(place))
+
+    assert order(0, 6) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5"
+    assert order(2, 6) == "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5"
+    assert order(3, 4) == "F0 B0 F1 B1 F2 B2 F3 B3"
+    assert order(3, 4, "gpipe") == "F0 F1 F2 F3 B0 B1 B2 B3"
+    assert order(3, 3) == order(3, 3, "gpipe") == "F0 F1 F2 B0 B1 B2"  # 1F1B below p micro-batches
+    assert order(1, 2) == order(1, 2, "gpipe") == "F0 F1 B0 B1"
+
+
+def test_gpipe_keeps_every_micro_batch_in_flight_on_the_last_stage(config_path):
+    """The last stage under 1F1B holds one micro-batch's activations at a time, under GPipe all of them: its
+    own schedule peaks higher under GPipe and reserves at least as much."""
+    from llamem.model import load_model
+    from llamem.workload import build_workload
+
+    spec = load_model(None, config_path=str(config_path))
+    w = build_workload("train", batch=2, seq=16, grad_accum=4, precision="bf16-mixed", optimizer="adamw")
+    local = shard_spec(spec, make_layout(spec, w, gpus=2, pp=2))
+    figures = {schedule: smallest_card(stage_schedule(local, w, StagePlace(stage=1, stages=2, microbatches=4,
+                                                                            schedule=schedule)))
+               for schedule in ("1f1b", "gpipe")}
+    # 1F1B: one 2 MiB segment; GPipe: 656,896 bytes more at the peak (all four micro-batches' activations at
+    # once), two segments.
+    assert figures == {"1f1b": (1_771_520, 2 * MiB), "gpipe": (2_428_416, 4 * MiB)}

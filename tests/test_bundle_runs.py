@@ -16,8 +16,6 @@ and after a step the shard and two AdamW moments.
 from __future__ import annotations
 
 import json
-import os
-import re
 from pathlib import Path
 
 import pytest
@@ -25,9 +23,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from bundle_runner import config_path, launch  # noqa: E402
+from bundle_runner import PendingRun, config_path, start_run  # noqa: E402
 
-from llamem.bundle import emit_bundle, layout_plan  # noqa: E402
+from llamem.bundle import layout_plan  # noqa: E402
 from llamem.cli import main  # noqa: E402
 from llamem.gpus import get_gpu  # noqa: E402
 from llamem.model import load_model  # noqa: E402
@@ -39,7 +37,6 @@ __all__ = ["config_path"]  # the fixture
 
 WORKLOAD = ["--batch", "2", "--seq", "16", "--precision", "bf16-mixed", "--optimizer", "adamw"]
 FIELDS = {"batch": 2, "seq": 16, "precision": "bf16-mixed", "optimizer": "adamw"}
-LINE = re.compile(r"^rank (\d+) (wrapped|step \d+ loss=\S+) peak_bytes=(\d+) live_bytes=(\d+)$")
 SMALL_TENSOR_BYTES = 512
 """The tracker's smallest allocation, and what FSDP2's rank keeps besides its shards: RoPE's two
 inverse-frequency buffers (`inv_freq`, `original_inv_freq`) and the device mesh's rank list."""
@@ -52,23 +49,20 @@ def _estimate(config_path, sharding: str, capsys) -> int:
     return json.loads(capsys.readouterr().out)["peak_allocated_bytes"]
 
 
-def _run_bundle(config_path, sharding: str, folder: Path, timeout_s: int = 120,
-                extra: tuple[str, ...] = ()) -> tuple[dict, str]:
-    """Emit the 2-GPU bundle, run it on CPU; per rank: (wrapped, step 1, step 2) as (peak, live), and the run peak."""
+def _start(config_path, sharding: str, tmp_path_factory, timeout_s: int = 180) -> PendingRun:
+    """The 2-GPU bundle's run on CPU (this session's: 2 steps, each rank's trace), started."""
     spec = load_model(None, config_path=str(config_path))
     w = build_workload("train", **FIELDS)
     plan = layout_plan(spec, w, make_layout(spec, w, gpus=2, sharding=sharding), get_gpu("h100"),
                        model_args=("--config", str(config_path)))
-    emit_bundle(plan, folder)
-    stdout = launch(folder, ["--cpu", "--random-init", "--max-steps", "2", *extra], timeout_s=timeout_s)
-    ranks: dict[int, dict] = {0: {"windows": []}, 1: {"windows": []}}
-    for line in stdout.splitlines():
-        if match := LINE.match(line):
-            ranks[int(match[1])]["windows"].append((int(match[3]), int(match[4])))
-        elif match := re.match(r"^rank (\d+) peak_bytes=(\d+)$", line):
-            ranks[int(match[1])]["peak"] = int(match[2])
-    assert all(len(r["windows"]) == 3 and "peak" in r for r in ranks.values()), stdout
-    return ranks, stdout
+    return start_run(tmp_path_factory, plan, timeout_s=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def started(config_path, tmp_path_factory) -> dict[str, PendingRun]:
+    """The DDP and ZeRO-3 runs, started together: they run side by side. Per rank, `.result().ranks()` has
+    (wrapped, step 1, step 2) as (peak, live), and the run peak."""
+    return {sharding: _start(config_path, sharding, tmp_path_factory) for sharding in ("ddp", "zero3")}
 
 
 def _fp32_shard_bytes(world: int) -> int:
@@ -107,12 +101,11 @@ def test_rank_tracker_follows_storage_resizes_and_keeps_its_high_water():
 
 
 @pytest.fixture(scope="module")
-def ddp_run(config_path, tmp_path_factory) -> tuple[dict, Path]:
+def ddp_run(started) -> tuple[dict, Path]:
     """The DDP bundle's 2-rank CPU run, each rank's allocations written with --memory-trace."""
-    folder = tmp_path_factory.mktemp("ddp")
-    ranks, stdout = _run_bundle(config_path, "ddp", folder / "bundle", extra=("--memory-trace", str(folder / "traces")))
-    print(stdout)
-    return ranks, folder / "traces"
+    run = started["ddp"].result()
+    print(run.stdout)
+    return run.ranks(), run.traces
 
 
 def test_ddp_bundle_ranks_peak_at_the_estimate(config_path, ddp_run, capsys):
@@ -144,10 +137,11 @@ def test_each_ranks_trace_replays_within_the_estimates_reserved_memory(config_pa
         assert reserved <= device.peak_reserved_bytes  # the headline figure: the worst of its probes
 
 
-def test_fsdp2_bundle_ranks_hold_their_shards(config_path, tmp_path, capsys):
+def test_fsdp2_bundle_ranks_hold_their_shards(config_path, started, capsys):
     estimate = _estimate(config_path, "zero3", capsys)
-    ranks, stdout = _run_bundle(config_path, "zero3", tmp_path / "zero3")
-    print(stdout)
+    run = started["zero3"].result()
+    print(run.stdout)
+    ranks = run.ranks()
     shards = _fp32_shard_bytes(2)
     steps = 2 * 9 + 3  # AdamW's step counter per parameter tensor
     for rank in (0, 1):
@@ -160,12 +154,14 @@ def test_fsdp2_bundle_ranks_hold_their_shards(config_path, tmp_path, capsys):
         assert 0.75 * estimate < ranks[rank]["peak"] < estimate
 
 
-@pytest.mark.skipif(not os.environ.get("LLAMEM_DEEPSPEED_RUNS"), reason="set LLAMEM_DEEPSPEED_RUNS=1: DeepSpeed builds "
-                    "its shared-memory collective (a C++ op) on its first CPU run, which takes minutes")
-def test_deepspeed_zero2_bundle_ranks_peak_at_the_estimate(config_path, tmp_path, capsys):
+def test_deepspeed_zero2_bundle_ranks_peak_at_the_estimate(config_path, tmp_path_factory, capsys):
     pytest.importorskip("deepspeed")
     estimate = _estimate(config_path, "zero2", capsys)
-    ranks, stdout = _run_bundle(config_path, "zero2", tmp_path / "zero2", timeout_s=600)
-    print(stdout)
+    run = _start(config_path, "zero2", tmp_path_factory, timeout_s=600).result()
+    print(run.stdout)
+    ranks = run.ranks()
     assert ranks[0]["peak"] == ranks[1]["peak"]
-    assert abs(ranks[0]["peak"] - estimate) <= 0.02 * estimate  # measured: 1,960,960 against 1,956,288
+    # The estimate is a GPU's, stepped by DeepSpeed's FusedAdam on the flat partition; on CPU the bundle steps
+    # with torch's AdamW, whose temporaries (and the tracker's fp32 originals) a GPU does not hold: measured
+    # 1,960,960 against 1,910,208 (+2.7 %). tests/test_deepspeed_schedules.py checks the CPU rank to the byte.
+    assert estimate <= ranks[0]["peak"] <= 1.03 * estimate

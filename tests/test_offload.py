@@ -6,6 +6,8 @@ the hook on a real model (the gradients do not change).
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -30,6 +32,17 @@ CASES = {"bf16": dict(task="train", precision="bf16"), "mixed": dict(task="train
 @pytest.fixture(scope="module")
 def spec():
     return load_model("debug", overrides={"num_hidden_layers": 2})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _settled_heap():
+    """Every trace starts with a full collection, which walks every object of the process: seconds
+    after a long run of other test modules. What those left is collected once and frozen, so the
+    collections here walk only what this module's traces create."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -259,15 +258,23 @@ for script in sys.argv[1:]:
 PEAK = re.compile(r"^rank (\d+) peak_bytes=(\d+)$")
 
 
-def _emit(spec, config_path, folder: Path, fields: dict) -> int:
-    """The 2-GPU zero3 bundle of TINY (which the bundle runs with FSDP2), and the estimate's peak."""
-    from llamem.bundle import emit_bundle, layout_plan
+def _start(config_path, tmp_path_factory, fields: dict):
+    """The 2-GPU zero3 bundle of TINY (which the bundle runs with FSDP2), emitted and its gloo run started (the
+    session's: test_bundle_runs.py's FSDP2 bundle is the bf16-mixed case)."""
+    from bundle_runner import start_run
+
+    from llamem.bundle import layout_plan
     from llamem.gpus import get_gpu
 
+    spec = load_model(None, config_path=str(config_path))  # its name, the path, is in train.py
     w = build_workload("train", **{**WORKLOAD, **fields})
     plan = layout_plan(spec, w, make_layout(spec, w, gpus=2, sharding="zero3"), get_gpu("h100"),
                        model_args=("--config", str(config_path)))
-    emit_bundle(plan, folder)
+    return start_run(tmp_path_factory, plan, timeout_s=300)
+
+
+def _estimate(config_path, fields: dict) -> int:
+    """`llamem estimate --sharding zero3 --engine fsdp2`'s peak for the case."""
     args = [item for key, value in {**WORKLOAD, **fields}.items() for item in (FLAGS[key], str(value))]
     code, out = _cli("estimate", "--config", str(config_path), *args, "--gpus", "2", "--sharding", "zero3",
                      "--engine", "fsdp2", "--json")
@@ -276,31 +283,26 @@ def _emit(spec, config_path, folder: Path, fields: dict) -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(spec, config_path, tmp_path_factory):
+def runs(config_path, tmp_path_factory):
     """Per case: the estimate, the fake-process-group rank's peak and the two gloo ranks' peaks. The
-    gloo launches and the fake ranks run side by side."""
+    gloo runs and the fake ranks run side by side."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from bundle_runner import free_port
+    from bundle_runner import tiny_config_path
 
-    root = tmp_path_factory.mktemp("fsdp2-runs")
-    estimates = {case: _emit(spec, config_path, root / str(i), fields)
-                 for i, (case, fields) in enumerate(CASES.items())}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHRUN": str(Path(sys.executable).with_name("torchrun"))}
-    gloo = {case: subprocess.Popen(["bash", str(root / str(i) / "launch.sh"), "--cpu", "--random-init", "--max-steps",
-                                    "2"], stdout=(root / f"{i}.out").open("w"), stderr=subprocess.STDOUT,
-                                   env={**env, "MASTER_PORT": str(free_port())})
-            for i, case in enumerate(CASES)}
-    scripts = [str(root / str(i) / "train.py") for i in range(len(CASES))]
-    fake = subprocess.run([sys.executable, "-c", FAKE_RANK, *scripts], capture_output=True, text=True, cwd=root,
-                          timeout=300, env={**env, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    tiny = tiny_config_path(tmp_path_factory)  # TINY at the path of the other bundle tests' runs
+    gloo = {case: _start(tiny, tmp_path_factory, fields) for case, fields in CASES.items()}
+    estimates = {case: _estimate(config_path, fields) for case, fields in CASES.items()}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    scripts = [str(pending.folder / "train.py") for pending in gloo.values()]
+    fake = subprocess.run([sys.executable, "-c", FAKE_RANK, *scripts], capture_output=True, text=True,
+                          cwd=tmp_path_factory.mktemp("fsdp2-fake"), timeout=300,
+                          env={**env, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert fake.returncode == 0, fake.stdout[-2000:] + fake.stderr[-4000:]
     fake_peaks = [int(m[2]) for line in fake.stdout.splitlines() if (m := PEAK.match(line))]
     results = {}
-    for i, ((case, process), fake_peak) in enumerate(zip(gloo.items(), fake_peaks, strict=True)):
-        process.wait(timeout=300)
-        stdout = (root / f"{i}.out").read_text()
-        assert process.returncode == 0, stdout[-6000:]
+    for (case, pending), fake_peak in zip(gloo.items(), fake_peaks, strict=True):
+        stdout = pending.result().stdout
         ranks = sorted(int(m[2]) for line in stdout.splitlines() if (m := PEAK.match(line)))
         assert len(ranks) == 2, stdout
         results[case] = {"estimate": estimates[case], "fake": fake_peak, "gloo": ranks}

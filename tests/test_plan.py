@@ -220,12 +220,15 @@ def test_truncation_is_the_last_resort(capsys):
 
 
 def test_training_splits_sequences_instead_of_dropping_tokens(capsys):
-    code, out, _ = run(capsys, "plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--task", "lora", "--seq", "65536",
+    """LoRA on Llama-3.2-1B at 32768 tokens in 4 GiB: QLoRA, checkpointing and Liger's loss are not
+    enough, so each sequence is split (into 3 of 10923 tokens). Llama-3.1-8B at 65536 tokens on an RTX 4090
+    splits too (into 2), but the fragmentation replays of its 32 long layers take more than twice as long."""
+    code, out, _ = run(capsys, "plan", "llama-3.2-1b", "--budget", "4GiB", "--task", "lora", "--seq", "32768",
                        "--json")
     data = json.loads(out)
     final = data["final"]["config"]["workload"]
-    pieces = -(-65536 // final["seq"])
-    assert code == 0 and data["fits"] and final["seq"] < 65536
+    pieces = -(-32768 // final["seq"])
+    assert code == 0 and data["fits"] and final["seq"] < 32768 and pieces > 2
     assert final["batch"] * final["grad_accum"] == pieces  # every token still trained on in a step
     assert data["steps"][-1]["change"] == f"split each sequence into {pieces} of {final['seq']} tokens"
 

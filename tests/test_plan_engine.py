@@ -76,8 +76,10 @@ def test_the_case_chooses_different_layouts_per_engine(plans):
     # ZeRO-2 beside it
     assert (layouts["any"].tp, layouts["any"].sharding) == (2, "zero2")
     assert (layouts["fsdp2"].dp, layouts["fsdp2"].sharding, layouts["fsdp2"].engine) == (4, "zero3", "fsdp2")
-    assert layouts["deepspeed"].sharding == "zero3" and layouts["deepspeed"].dp == 4
-    assert layouts["deepspeed"].engine != "fsdp2"  # sized as DeepSpeed runs ZeRO-3, not as FSDP2
+    # ZeRO-2's reserved figure comes from its rank's own schedule (llamem.analytic.schedule_deepspeed): 11.27 GiB
+    # with selective checkpointing and Liger, where the single-GPU share replayed with whole states did not fit
+    assert layouts["deepspeed"].sharding == "zero2" and layouts["deepspeed"].dp == 4
+    assert layouts["deepspeed"].engine != "fsdp2"  # sized as DeepSpeed runs it, not as FSDP2
     assert (layouts["megatron"].tp, layouts["megatron"].sharding) == (2, "zero1")  # the distributed optimizer
 
 
@@ -172,9 +174,11 @@ def test_engines_that_cannot_plan_the_task_say_so(argv, message):
 
 def test_maximize_batch_steps_by_the_replicas_when_every_layout_replicates():
     """Under DeepSpeed (no tensor or pipeline parallel) 4 GPUs are 4 replicas: the largest global batch
-    is a multiple of 4, each replica running a quarter of it."""
+    is a multiple of 4, each replica running a quarter of it. At 1024 tokens on 8 GiB cards (as planned
+    here: 196, 49 per replica) the search takes half the time of 2048 tokens on 12 GiB (124, 31 each)."""
     spec = load_model("llama-3.2-1b")
-    plan = make_plan(spec, TRAIN_8x2048, budget_gpu(12 * 2**30), num_gpus=4,
+    w = build_workload(task="train", batch=8, seq=1024, precision="bf16-mixed", optimizer="adamw")
+    plan = make_plan(spec, w, budget_gpu(8 * 2**30), num_gpus=4,
                      host_budget_bytes=HOST_BYTES, engine="deepspeed", maximize_what="batch")
-    assert plan.fits and plan.maximized == {"what": "batch", "value": 124}
-    assert plan.final.layout.dp == 4 and plan.final.workload.batch == 31 and plan.final.workload.grad_accum == 1
+    assert plan.fits and plan.maximized == {"what": "batch", "value": 196}
+    assert plan.final.layout.dp == 4 and plan.final.workload.batch == 49 and plan.final.workload.grad_accum == 1

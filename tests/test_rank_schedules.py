@@ -21,19 +21,19 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from bundle_runner import config_path, launch  # noqa: E402
+from bundle_runner import config_path, start_run  # noqa: E402
 
 from llamem.allocator.replay import load_events, peak_allocated_bytes, runs_on_card, smallest_card  # noqa: E402
 from llamem.analytic.schedule import schedule  # noqa: E402
 from llamem.analytic.schedule_ranks import (ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, ddp_bucket_bytes,  # noqa: E402
                                             fsdp2_unit_sizes, rank_schedule, rank_schedule_kind)
-from llamem.bundle import emit_bundle, layout_plan  # noqa: E402
+from llamem.bundle import layout_plan  # noqa: E402
 from llamem.cli import main  # noqa: E402
 from llamem.gpus import get_gpu  # noqa: E402
 from llamem.model import load_model  # noqa: E402
 from llamem.parallel import make_layout, shard_spec  # noqa: E402
 from llamem.sizing import estimate_report  # noqa: E402
-from llamem.workload import build_workload  # noqa: E402
+from llamem.workload import build_workload, with_changes  # noqa: E402
 
 __all__ = ["config_path"]  # the fixture
 
@@ -47,30 +47,39 @@ def _setup(config_path, sharding: str | None, engine: str = "deepspeed", tp: int
     return spec, w, make_layout(spec, w, gpus=2, tp=tp, sharding=sharding, engine=engine)
 
 
-def _traces(config_path, folder: Path, sharding: str | None, engine: str, tp: int = 1) -> Path:
-    """Emit the 2-GPU bundle, run 2 steps on CPU with --memory-trace; the folder of rank0.json and rank1.json."""
-    spec, w, layout = _setup(config_path, sharding, engine, tp)
-    emit_bundle(layout_plan(spec, w, layout, get_gpu("h100"), model_args=("--config", str(config_path))),
-                folder / "bundle")
-    stdout = launch(folder / "bundle", ["--cpu", "--random-init", "--max-steps", "2",
-                                        "--memory-trace", str(folder / "traces")], timeout_s=180)
-    assert len(re.findall(r"^rank \d trace ", stdout, re.MULTILINE)) == 2, stdout
-    return folder / "traces"
+@pytest.fixture(scope="module")
+def started(config_path, tmp_path_factory) -> dict:
+    """The 2-GPU bundles' runs (this session's: 2 steps on CPU with --memory-trace), started together."""
+    # The ZeRO-3 bundle runs FSDP2 whichever engine sizes it (the plan's figures it prints differ, not what it
+    # runs): the bundle of the default engine is test_bundle_runs.py's, one run for both.
+    out = {}
+    for name, sharding, tp in (("ddp", "ddp", 1), ("fsdp2", "zero3", 1), ("tp", None, 2)):
+        spec, w, layout = _setup(config_path, sharding, "deepspeed", tp)
+        plan = layout_plan(spec, w, layout, get_gpu("h100"), model_args=("--config", str(config_path)))
+        out[name] = start_run(tmp_path_factory, plan)
+    return out
+
+
+def _traces(started: dict, name: str) -> Path:
+    """The folder of the run's rank0.json and rank1.json."""
+    run = started[name].result()
+    assert len(re.findall(r"^rank \d trace ", run.stdout, re.MULTILINE)) == 2, run.stdout
+    return run.traces
 
 
 @pytest.fixture(scope="module")
-def ddp_traces(config_path, tmp_path_factory) -> Path:
-    return _traces(config_path, tmp_path_factory.mktemp("ddp"), "ddp", "deepspeed")
+def ddp_traces(started) -> Path:
+    return _traces(started, "ddp")
 
 
 @pytest.fixture(scope="module")
-def fsdp2_traces(config_path, tmp_path_factory) -> Path:
-    return _traces(config_path, tmp_path_factory.mktemp("fsdp2"), "zero3", "fsdp2")
+def fsdp2_traces(started) -> Path:
+    return _traces(started, "fsdp2")
 
 
 @pytest.fixture(scope="module")
-def tp_traces(config_path, tmp_path_factory) -> Path:
-    return _traces(config_path, tmp_path_factory.mktemp("tp"), None, "deepspeed", tp=2)
+def tp_traces(started) -> Path:
+    return _traces(started, "tp")
 
 
 def _reserved_figure(spec, w, layout) -> tuple[int, int]:
@@ -228,6 +237,13 @@ def test_layouts_without_a_rank_schedule_replay_the_single_gpu_one(config_path):
     kinds = {flags: rank_schedule_kind(spec, w, make_layout(spec, w, gpus=2, **dict(flags)))
              for flags in [(("sharding", "ddp"),), (("sharding", "zero3"), ("engine", "fsdp2")),
                            (("sharding", "zero2"),), (("sharding", "zero3"),), (("tp", 2),), (("pp", 2),)]}
-    assert list(kinds.values()) == ["ddp", "fsdp2", None, None, "tp", None]
+    assert list(kinds.values()) == ["ddp", "fsdp2", "zero2", None, "tp", "pipeline"]
+    # Past one micro-batch per stage a stage's schedule would cost more than the whole model's one-GPU one
+    # (`schedule_pipeline.MICROBATCHES_PER_STAGE`): the first stage's share replays as one GPU.
+    accumulated = with_changes(w, grad_accum=4)
+    assert rank_schedule_kind(spec, accumulated, make_layout(spec, accumulated, gpus=2, pp=2)) is None
+    two = with_changes(w, grad_accum=2)
+    assert make_layout(spec, two, gpus=2, pp=2).microbatches == 2
+    assert rank_schedule_kind(spec, two, make_layout(spec, two, gpus=2, pp=2)) == "pipeline"
     lora = build_workload("lora", **FIELDS)
     assert rank_schedule_kind(spec, lora, make_layout(spec, lora, gpus=2)) is None

@@ -14,6 +14,9 @@
 On several GPUs the schedule is the rank's own where `llamem.analytic.schedule_ranks` builds one (DDP's
 buckets, FSDP2's per-unit all-gathers, reshards and reduce-scatters, tensor parallel's all-reduced copies);
 other layouts replay the single-GPU schedule of the GPU's share of the model (`rank_layout` tells which).
+A pipeline's stages each have their own (`llamem.analytic.schedule_pipeline`): the first, the second and the
+last are probed (`pipeline_stages.stage_positions`), and the allowance is the worst stage's reserved memory
+beyond the busiest stage's allocated peak (`stage_fragmentation` names the stage).
 
 Monotone by construction. The smallest card of one exact shape is not monotone in batch or
 sequence length: how freed blocks line up with later requests changes from shape to shape (the
@@ -125,10 +128,51 @@ def rank_layout(spec: ModelSpec, w: Workload, layout: Layout | None) -> Layout |
     return schedule_layout(spec, w, layout) if layout is not None else None
 
 
+def schedule_stages(spec: ModelSpec, w: Workload, layout: Layout | None) -> tuple[Layout | None, tuple]:
+    """The layout naming a rank's schedule (`rank_layout`) and the pipeline stages whose schedules are probed
+    ((None,) off a pipeline)."""
+    from llamem.pipeline_stages import stage_positions
+
+    named = rank_layout(spec, w, layout)
+    return named, (tuple(stage_positions(named.pp)) if named is not None and named.pp > 1 else (None,))
+
+
+def stage_fragmentation(spec: ModelSpec, w: Workload, layout: Layout | None = None) -> tuple[int, int | None]:
+    """The monotone allowance and the pipeline stage it comes from (None off a pipeline)."""
+    canonical = dataclasses.replace(w, batch=1, seq=MIN_PROBE_SEQ)
+    named, stages = schedule_stages(spec, w, layout)
+    if stages == (None,):
+        return _envelope(spec, canonical, tuple(probe_shapes(w)), named), None
+    return _stages_envelope(spec, canonical, tuple(probe_shapes(w)), named, stages)
+
+
 def fragmentation_bytes(spec: ModelSpec, w: Workload, layout: Layout | None = None) -> int:
     """The monotone fragmentation allowance of this configuration at this shape (see the module)."""
-    canonical = dataclasses.replace(w, batch=1, seq=MIN_PROBE_SEQ)
-    return _envelope(spec, canonical, tuple(probe_shapes(w)), rank_layout(spec, w, layout))
+    return stage_fragmentation(spec, w, layout)[0]
+
+
+def fragmented_stage(spec: ModelSpec, w: Workload, layout: Layout | None) -> int | None:
+    """The pipeline stage whose reserved memory the device figure is (None off a pipeline)."""
+    return stage_fragmentation(spec, w, layout)[1]
+
+
+@lru_cache(maxsize=PROBE_CACHE_SIZE)
+def _stages_envelope(spec: ModelSpec, canonical: Workload, shapes: tuple[tuple[int, int], ...], layout: Layout,
+                     stages: tuple[int, ...]) -> tuple[int, int]:
+    """A pipeline's allowance: the largest, over the probes and the stages, of a stage's reserved memory beyond
+    the busiest stage's allocated peak at the same probe (so the busiest stage's allocated figure plus it is
+    the worst stage's reserved one), and that stage. Searches stop as early as `_envelope`'s do."""
+    found, worst = None, stages[0]
+    for batch, seq in reversed(shapes):
+        probe = dataclasses.replace(canonical, batch=batch, seq=seq)
+        searches = [(stage, _search(spec, probe, layout, stage)) for stage in stages]
+        busiest = max(search.allocated for _stage, search in searches)
+        for stage, search in searches:
+            if found is None or not search.settle_within(busiest + found):
+                search.finish()
+                if found is None or search.high - busiest > found:
+                    found, worst = search.high - busiest, stage
+    return max(found, 0), worst
 
 
 @lru_cache(maxsize=PROBE_CACHE_SIZE)
@@ -150,30 +194,34 @@ def _envelope(spec: ModelSpec, canonical: Workload, shapes: tuple[tuple[int, int
 
 
 @lru_cache(maxsize=SEARCH_CACHE_SIZE)
-def _search(spec: ModelSpec, w: Workload, layout: Layout | None = None):
+def _search(spec: ModelSpec, w: Workload, layout: Layout | None = None, stage: int | None = None):
     """One probe's smallest-card search, kept (part-done or done) for every later question."""
     from llamem.allocator.replay import SmallestCardSearch
 
-    return SmallestCardSearch(probe_events(spec, w, layout)[0])
+    return SmallestCardSearch(probe_events(spec, w, layout, stage)[0])
 
 
 @lru_cache(maxsize=EVENTS_CACHE_SIZE)
-def probe_events(spec: ModelSpec, w: Workload, layout: Layout | None = None) -> tuple[list, int]:
-    """A probe's allocation schedule (a rank's own under `layout`, see `rank_layout`) and its peak
-    allocated bytes (kept for the probes in use)."""
+def probe_events(spec: ModelSpec, w: Workload, layout: Layout | None = None,
+                 stage: int | None = None) -> tuple[list, int]:
+    """A probe's allocation schedule (a rank's own under `layout`, see `rank_layout`; a pipeline's stage
+    `stage`) and its peak allocated bytes (kept for the probes in use)."""
     from llamem.allocator.replay import peak_allocated_bytes
     from llamem.analytic.schedule import schedule
     from llamem.analytic.schedule_ranks import rank_schedule
 
-    events = rank_schedule(spec, w, layout) if layout is not None else schedule(spec, w)
+    events = rank_schedule(spec, w, layout, stage=stage) if layout is not None else schedule(spec, w)
     return events, peak_allocated_bytes(events)
 
 
 def probe_fragmentation(spec: ModelSpec, w: Workload, layout: Layout | None = None) -> int:
-    """Reserved minus allocated on the smallest card this exact shape's schedule replays on."""
-    search = _search(spec, w, rank_layout(spec, w, layout))
-    search.finish()
-    return max(search.high - search.allocated, 0)
+    """Reserved minus allocated on the smallest card this exact shape's schedule replays on (a pipeline's
+    worst stage's reserved minus its busiest stage's allocated)."""
+    named, stages = schedule_stages(spec, w, layout)
+    searches = [_search(spec, w, named, stage) for stage in stages]
+    for search in searches:
+        search.finish()
+    return max(max(search.high for search in searches) - max(search.allocated for search in searches), 0)
 
 
 def exact_shape_reserved_bytes(spec: ModelSpec, w: Workload, peak_allocated_bytes: int,

@@ -42,8 +42,7 @@ EXPERT_PARALLEL_ENGINES = (
     "Qwen3-MoE: train.py shards the experts with transformers 5.24's expert-parallel plan (`grouped_gemm` styles on "
     "the fused expert weights, `ep_dispatch_experts` with its all-to-all dispatch) and wraps the dense parts in "
     "torch DDP. ZeRO-1/2 with expert parallelism is not emitted: DeepSpeed 0.19.8's AutoEP runs it, but its "
-    "dispatch (grouped GEMMs, Triton or C++ kernels) is not sized by llamem, and on CPU DeepSpeed first builds a C++ "
-    "collective op, which takes minutes. transformers' DistributedConfig(ep_size=N) itself carves the experts out "
+    "dispatch (grouped GEMMs, Triton or C++ kernels) is not sized by llamem. transformers' DistributedConfig(ep_size=N) itself carves the experts out "
     "of FSDP2 (or tensor-parallel) ranks only, a layout llamem does not size with expert parallelism; accelerate "
     "1.15 and torch have no expert dimension.")
 """Which engines the bundles run expert parallelism with, and why the others are not emitted."""

@@ -12,7 +12,7 @@ import dataclasses
 
 from llamem.analytic import estimate
 from llamem.analytic.schedule_ranks import rank_schedule_kind
-from llamem.device import device_memory
+from llamem.device import device_memory, fragmented_stage
 from llamem.engine_precision import precision_note, runs_as
 from llamem.model import ModelSpec
 from llamem.parallel import Layout, per_gpu_phases, shard_spec
@@ -39,7 +39,8 @@ def estimate_report(spec: ModelSpec, w: Workload, layout: Layout | None = None, 
     single = layout.num_gpus == 1 and layout.sharding == "none"
     device = device_memory(local, sized, report.peak_allocated_bytes, num_gpus=layout.num_gpus,
                            exact_shape=details, unlimited=details and single, layout=layout)
-    notes += device_notes(device, w, single, rank_kind=rank_schedule_kind(local, sized, layout))
+    notes += device_notes(device, w, single, rank_kind=rank_schedule_kind(local, sized, layout),
+                          stage=fragmented_stage(local, sized, layout))
     if details and single:
         notes += allocator_advice(local, w, device)
     return dataclasses.replace(report, device=device, notes=tuple(notes), layout=layout.describe())
@@ -52,6 +53,14 @@ def pipeline_stage_note(spec: ModelSpec, w: Workload, layout: Layout, teacher: M
     stage = pipeline_phases(spec, w, layout, teacher)[0]
     return (f"pipeline: these are the figures of stage {stage} (of stages 0-{layout.pp - 1}), the busiest; stage 0 "
             f"holds the embedding, stage {layout.pp - 1} the head and the loss, each stage its micro-batches in flight")
+
+
+def pipeline_schedule_note(stage: int | None) -> str:
+    """Whose schedule a pipeline's fragmentation comes from (`llamem.device.stage_fragmentation`)."""
+    return (f"the fragmentation comes from each pipeline stage's own allocation schedule (its micro-batches in "
+            f"torch.distributed.pipelining's 1F1B or GPipe order, its receive buffers and kept outputs); the device "
+            f"figure is stage {stage}'s reserved memory, the most of the stages; no allocator advice for parallel "
+            "layouts")
 
 
 ADVISE_ABOVE = 0.05
@@ -99,9 +108,10 @@ def trace_report(spec: ModelSpec, w: Workload, teacher: ModelSpec | None = None,
 
 
 def device_notes(device, w: Workload, single_gpu: bool, traced: bool = False,
-                 rank_kind: str | None = None) -> list[str]:
-    """`rank_kind`: the engine whose rank schedule gave the fragmentation ("ddp", "fsdp2", "tp"), None for the
-    single-GPU schedule (`llamem.analytic.schedule_ranks.rank_schedule_kind`)."""
+                 rank_kind: str | None = None, stage: int | None = None) -> list[str]:
+    """`rank_kind`: the engine whose rank schedule gave the fragmentation ("ddp", "fsdp2", "tp", "zero1",
+    "zero2"), None for the single-GPU schedule (`llamem.analytic.schedule_ranks.rank_schedule_kind`); for
+    "pipeline", `stage` is the stage whose reserved memory the device figure is (`llamem.device.fragmented_stage`)."""
     from llamem.units import format_gib
 
     notes = [f"device memory = peak allocated + {format_gib(device.fragmentation_bytes)} allocator fragmentation "
@@ -112,16 +122,21 @@ def device_notes(device, w: Workload, single_gpu: bool, traced: bool = False,
         what = "the traced allocations of this exact shape replay" if traced else "this exact shape's schedule replays"
         notes.append(f"{what} only on {format_gib(exact)}: the block sizes of this shape fragment the allocator more than "
                      "smaller shapes; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids most of it")
-    if rank_kind:
+    if rank_kind == "pipeline":
+        notes.append(pipeline_schedule_note(stage))
+    elif rank_kind:
         what = {"ddp": "DDP's gradient buckets", "fsdp2": "FSDP2's per-unit all-gathers, reshards and reduce-scatters",
                 "tp": "tensor parallel's all-reduced outputs and input gradients, the whole-vocabulary embedding "
-                      "gradient"}[rank_kind]
+                      "gradient",
+                **{zero: f"DeepSpeed ZeRO-{zero[-1]}'s flat 16-bit buffer, fp32 partition, reduce bucket and "
+                          "gradient partition" for zero in ("zero1", "zero2")}}[rank_kind]
         notes.append(f"the fragmentation comes from this rank's own allocation schedule ({what}; NCCL's buffers are "
                      "outside PyTorch's allocator, counted in non-torch); no allocator advice for parallel layouts")
     elif not single_gpu:
         notes.append("the fragmentation comes from this GPU's share of the model replayed as one device (the "
-                     "single-GPU schedule: ranks have their own only under DDP, FSDP2's ZeRO-3 and tensor parallel "
-                     "for full training), with whole model states where ZeRO shards them and without ZeRO's buckets "
-                     "or a pipeline's micro-batches in flight: it errs on the large side for ZeRO layouts; "
-                     "no allocator advice for parallel layouts")
+                     "single-GPU schedule: ranks have their own only under DDP, FSDP2's ZeRO-3 and tensor parallel, "
+                     "DeepSpeed's ZeRO-1/2, and pipeline stages of an autocast Llama without checkpointing at no "
+                     "more micro-batches than stages, for full training), with whole model states where ZeRO shards them "
+                     "and without ZeRO's buckets or a pipeline's micro-batches in flight: it errs on the large side "
+                     "for ZeRO layouts; no allocator advice for parallel layouts")
     return notes

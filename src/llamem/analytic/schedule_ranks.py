@@ -47,9 +47,15 @@ all-gather or, in some runs, just after it (then up to one unit's all-gather abo
   `zero_grad` (V rounded up to a multiple of tp). With data-parallel replicas, DDP's buckets on the shards
   too (not run by the bundle, which emits no 2-D meshes).
 
-Other layouts (pipeline and expert parallelism, ZeRO-1/2/3 under DeepSpeed, offload, adapters,
-distillation; tensor parallel with tied embeddings, experts or the chunked loss; under FSDP2 also tied
-embeddings, experts, accumulation and the chunked loss) replay the single-GPU schedule of the GPU's share
+- DeepSpeed ZeRO-1 and ZeRO-2 (the launch bundle's ds_config.json, bf16): `llamem.analytic.schedule_deepspeed`.
+
+- Pipeline parallel (`torch.distributed.pipelining`, one stage per GPU, the launch bundle's): each stage's
+  own schedule, its micro-batches in 1F1B or GPipe order (`llamem.analytic.schedule_pipeline`).
+
+Other layouts (pipeline stages beyond what `schedule_pipeline.pipeline_schedulable` covers, expert
+parallelism, ZeRO-3 under DeepSpeed, offload, adapters, distillation; tensor parallel with tied embeddings,
+experts or the chunked loss; under FSDP2 and ZeRO-1/2 also tied embeddings, experts, accumulation and the chunked
+loss, and ZeRO-1/2 under fp16 or fp32) replay the single-GPU schedule of the GPU's share
 (`rank_schedule_kind` says which; the report's notes say so).
 """
 
@@ -61,6 +67,8 @@ from typing import Literal
 from llamem.allocator.replay import AllocEvent
 from llamem.analytic.common import r512
 from llamem.analytic.schedule import Events, optimizer_state_tensors, training_schedule, training_steps
+from llamem.analytic.schedule_deepspeed import LiveEvents, zero_rank_schedule
+from llamem.analytic.schedule_pipeline import pipeline_schedulable, pipeline_stage_schedule
 from llamem.analytic.weights import rope_buffer_bytes, trainable_numels, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -83,9 +91,11 @@ BROADCAST_BUFFER_BYTES = 250 << 20
 
 
 def rank_schedule_kind(spec: ModelSpec, w: Workload, layout: Layout) -> str | None:
-    """"ddp", "fsdp2" or "tp" where a rank's own schedule is built here, None where the GPU's share replays the
-    single-GPU schedule."""
-    if (layout.num_gpus == 1 or layout.pp > 1 or layout.ep != 1 or layout.offload != "none"
+    """"ddp", "fsdp2", "tp", "zero1" or "zero2" (`llamem.analytic.schedule_deepspeed`) where a rank's own schedule
+    is built, None where the GPU's share replays the single-GPU schedule."""
+    if layout.pp > 1:  # one stage per GPU: its own schedule (`llamem.analytic.schedule_pipeline`)
+        return "pipeline" if pipeline_schedulable(spec, w, layout) else None
+    if (layout.num_gpus == 1 or layout.ep != 1 or layout.offload != "none"
             or w.task != "train" or w.uses_adapters):
         return None
     if layout.tp > 1:  # what the tensor-parallel bundle runs: untied embeddings, dense layers, the whole loss
@@ -97,6 +107,10 @@ def rank_schedule_kind(spec: ModelSpec, w: Workload, layout: Layout) -> str | No
             and not spec.is_moe and w.grad_accum == 1 and w.loss != "chunked"
             and w.optimizer in ("adamw", "adamw-fused", "sgd")):
         return "fsdp2"
+    if (layout.sharding in ("zero1", "zero2") and layout.engine == "deepspeed" and not spec.tie_word_embeddings
+            and not spec.is_moe and w.grad_accum == 1 and w.loss != "chunked" and w.compute_dtype == "bf16"
+            and w.optimizer in ("adamw", "adamw-fused", "adamw-loop", "sgd")):
+        return layout.sharding
     return None
 
 
@@ -105,18 +119,27 @@ def schedule_layout(spec: ModelSpec, w: Workload, layout: Layout) -> Layout | No
     depend on the number of ranks, so all DDP layouts name one, and a plan's probes are shared; a tensor-
     parallel rank's depends on the split (its `spec` is the share) and on whether it has replicas."""
     kind = rank_schedule_kind(spec, w, layout)
+    if kind == "pipeline":  # a stage's schedule: its place, the micro-batches and their order
+        return Layout(pp=layout.pp, pipeline_schedule=layout.pipeline_schedule, microbatches=layout.microbatches)
     if kind == "tp":  # the same for any number of replicas beyond one
         return Layout(dp=min(layout.dp, 2), tp=layout.tp, sharding=layout.sharding)
     return Layout(dp=2, sharding="ddp") if kind == "ddp" else layout if kind else None
 
 
-def rank_schedule(spec: ModelSpec, w: Workload, layout: Layout, backend: Backend = "nccl") -> list[AllocEvent]:
-    """The allocation schedule of one rank of `layout` (see the module); `rank_schedule_kind` must name it."""
+def rank_schedule(spec: ModelSpec, w: Workload, layout: Layout, backend: Backend = "nccl",
+                  stage: int | None = None) -> list[AllocEvent]:
+    """The allocation schedule of one rank of `layout` (see the module); `rank_schedule_kind` must name it.
+    `stage`: which pipeline stage (pipeline layouts only)."""
     kind = rank_schedule_kind(spec, w, layout)
+    if kind == "pipeline":
+        assert stage is not None, "a pipeline layout's schedule is a stage's: name the stage"
+        return pipeline_stage_schedule(spec, w, layout, stage)
     if kind == "ddp":
         return ddp_schedule(spec, w)
     if kind == "tp":
         return tp_schedule(spec, w, layout)
+    if kind in ("zero1", "zero2"):
+        return zero_rank_schedule(spec, w, layout, backend=backend)
     assert kind == "fsdp2", f"no rank schedule for {layout.describe()}"
     return fsdp2_schedule(spec, w, layout.dp, backend)
 
@@ -265,30 +288,18 @@ def fsdp2_unit_sizes(spec: ModelSpec, w: Workload, world: int) -> dict[int | str
     return units
 
 
-class Fsdp2Events(Events):
+class Fsdp2Events(LiveEvents):
     """An FSDP2 rank: its units' all-gathers, reshards and reduce-scatters at the schedule's marks."""
 
     def __init__(self, units: dict[int | str, Fsdp2Sizes], backend: Backend) -> None:
         super().__init__()
         self.units, self.backend = units, backend
         self.backward_order = ["head", *sorted((u for u in units if isinstance(u, int)), reverse=True), "embed"]
-        self.live: set[int] = set()
         self.gathered: dict[int | str, list[int]] = {}
         self.outputs: dict[int | str, list[int]] = {}
         self.last_output: list[int] = []
         self.rs_input: list[int] = []
         self.grad_shards: list[int] = []
-
-    def alloc(self, sizes: list[int], stream: int = 0) -> list[int]:
-        ids = super().alloc(sizes, stream)
-        self.live.update(ids)
-        return ids
-
-    def free(self, ids: list[int]) -> None:
-        """Gradients a reduce-scatter released are gone when the step frees the rest."""
-        ids = [i for i in ids if i in self.live]
-        self.live.difference_update(ids)
-        super().free(ids)
 
     def mark(self, point: str, unit: int | str | None = None, grads: list[int] | None = None) -> None:
         if point == "forward":

@@ -463,6 +463,11 @@ def wrap_deepspeed(plan: dict, module: CausalLMLoss, device: torch.device, args)
     if args.cpu:
         # DeepSpeed's fused Adam needs CUDA and its CPU Adam a C++ build; torch's AdamW keeps the same state.
         config["optimizer"]["params"]["torch_adam"] = True
+        # Its CPU communication backend builds a shared-memory collective (deepspeed_shm_comm, a C++ op,
+        # minutes on a fresh machine) unless the op is marked incompatible; then gloo alone carries it.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo" if args.cpu else "nccl")
     params = [p for p in module.parameters() if p.requires_grad]
     engine, optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=config)

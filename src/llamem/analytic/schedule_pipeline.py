@@ -1,0 +1,371 @@
+"""One pipeline stage's own allocation schedule, for its reserved memory (`llamem.device`).
+
+What the launch bundle runs with `torch.distributed.pipelining` (torch 2.13, `pipelining/stage.py` and
+`schedules.py`): each process holds one stage (its layers, the embedding on the first, the final norm and
+the head on the last) and runs every step's micro-batches in the schedule's order. 1F1B runs min(p - s, M)
+forwards on stage s, then one backward and one forward in turn, then the remaining backwards; GPipe (and
+1F1B below p micro-batches, which the bundle runs as GPipe) all forwards, then all backwards. Per micro-
+batch, op by op, the single-GPU schedule's decoder layers (`schedule_train.forward_layer`, `backward_layer`)
+without the KV cache the stage's layers are called without (SDPA gets V itself and keeps it) and without
+autocast casts of o_proj's and down_proj's inputs (bf16 already: their matmuls keep them), plus:
+
+- the stage's own RoPE cos and sin per micro-batch (kept by every layer's RoPE until the first layer's
+  backward) and its positions (dropped when the stage's forward returns);
+- the first stage's embedding output, alive until its micro-batch's backward is done; every other stage's
+  input is its receive buffer (`_setup_forward_recv_info`: one per micro-batch, made on the first step
+  and kept), whose gradient (the one sent back) lives until the next step clears it
+  (`clear_runtime_states`);
+- a stage's output stays in `fwd_cache` until its micro-batch's backward; the output's gradient arrives
+  in a kept buffer (one per micro-batch, `_create_grad_recv_info`);
+- the last stage: the final norm, the head under autocast (the weight's cast per micro-batch), the logits
+  kept in `output_chunks` until the next step (and concatenated once the step is done: what `step()`
+  returns), and the bundle's loss (`cross_entropy` of the fp32 upcast,
+  the labels' copy, the log-softmax), whose backward runs at once;
+- gradient accumulation over the micro-batches: the first backward's weight gradients become `.grad`,
+  each later one's are added in place and freed at once (AccumulateGrad);
+- then the optimizer step (its state made on the first step, foreach temporaries, `zero_grad`).
+
+On the first step torch infers the stages' tensor shapes by running each stage once (DYNAMIC metadata
+inference): a forward of one micro-batch (a non-first stage's input an empty tensor), the receive buffers,
+on the last stage the loss, and a backward to the stage's input (`autograd.grad`: no weight gradients;
+it is replayed as a micro-batch's backward whose weight gradients are freed as they are made), on the first
+stage only the ones of its output's gradient; everything but the buffers is freed before the pipeline runs.
+
+Left out: the pipeline's and the step's 512-byte bookkeeping tensors (pickled shape metadata, the losses'
+mean, gradient clipping's norms). On the 2-stage CPU run of the launch bundle each stage's schedule reserves
+what the stage's recorded events reserve and peaks where they peak, at the same bytes (the first stage one
+such 512-byte tensor lower; tests/test_bundle_pipeline.py). Built for bf16/fp16 autocast with AdamW (foreach or fused) or SGD and
+untied embeddings without checkpointing (`schedule_ranks.rank_schedule_kind` says which layouts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llamem.allocator.replay import AllocEvent
+from llamem.analytic.common import r512
+from llamem.analytic.optimizer import has_step_temporaries
+from llamem.analytic.schedule import Events, optimizer_state_tensors, weight_tensor_sizes
+from llamem.analytic.schedule_train import LayerTape, backward_layer, forward_layer, norm_backward, norm_forward
+from llamem.analytic.weights import rope_buffer_bytes, trainable_numels, trainable_tensor_sizes
+from llamem.dtypes import DTYPE_BYTES
+from llamem.model import ModelSpec
+from llamem.pipeline_stages import hidden_bytes
+from llamem.workload import Workload
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlace:
+    """Where a stage sits in the pipeline and how the schedule runs it."""
+
+    stage: int
+    stages: int
+    microbatches: int
+    schedule: str
+    """"1f1b" or "gpipe" (as planned; 1F1B below `stages` micro-batches runs as GPipe)."""
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+def action_order(place: StagePlace) -> list[tuple[str, int]]:
+    """The stage's ("F" | "B", micro-batch) actions in the schedule's order (`Schedule1F1B._step_microbatches`:
+    warm-up forwards, then a backward and a forward in turn, then the remaining backwards)."""
+    M = place.microbatches
+    if place.schedule == "gpipe" or M < place.stages:
+        return [("F", i) for i in range(M)] + [("B", i) for i in range(M)]
+    warmup = min(M, place.stages - place.stage)
+    order = [("F", i) for i in range(warmup)]
+    for backward in range(M):
+        order.append(("B", backward))
+        if warmup + backward < M:
+            order.append(("F", warmup + backward))
+    return order
+
+
+class StageEvents(Events):
+    """A stage's events: frees of kept buffers are dropped (autograd is done with them, the stage is not), and
+    the last V projection is remembered (SDPA keeps it where the single-GPU schedule's cache copy was)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: set[int] = set()
+        self.v_out: int | None = None
+
+    def free(self, ids: list[int]) -> None:
+        super().free([i for i in ids if i not in self.kept])
+
+    def keep(self, sizes: list[int]) -> list[int]:
+        ids = self.alloc(sizes)
+        self.kept.update(ids)
+        return ids
+
+    def projection(self, name: str, tensor: int, backward: bool = False) -> None:
+        if name == "v_proj" and not backward:
+            self.v_out = tensor
+
+
+@dataclass(kw_only=True, slots=True)
+class MicroBatch:
+    """What one micro-batch's forward left for its backward."""
+
+    stage_input: int
+    tapes: list[LayerTape]
+    rope: list[int]
+    output: int | None = None
+    """A non-last stage's output, kept in `fwd_cache`."""
+    head: dict[str, int] = field(default_factory=dict)
+    """The last stage's head and loss tensors its backward needs."""
+    final: LayerTape | None = None
+
+
+def layer_without_cache(ev: StageEvents, spec: ModelSpec, w: Workload, index: int) -> tuple[LayerTape, int]:
+    """A decoder layer's forward as a stage calls it (no past_key_values) and as autocast runs it: the single-
+    GPU layer less its cache copies of K and V (SDPA keeps V itself) and less the input casts of o_proj and
+    down_proj, whose inputs (SDPA's output, the SwiGLU product) are bf16 already and kept by their matmuls."""
+    start, stream_end = len(ev.events), []
+    tape = LayerTape(ev, index)
+    output = forward_layer(tape, spec, w, index, stream_end)
+    cache_k = stream_end[0]  # the fp32 K copy under autocast; V's copy is made right after it
+    down_cast = tape.saved.pop("down_proj.cast")
+    product = down_cast - 2  # made just before down_proj's weight copy and its input cast
+    gone = {cache_k, cache_k + 1, tape.saved.pop("o_proj.cast"), down_cast}
+    alive = {ev.v_out, product}
+    ev.events[start:] = [e for e in ev.events[start:]
+                         if e.addr not in gone and not (e.action == "free" and e.addr in alive)]
+    tape.saved = {name: ev.v_out if tensor == cache_k + 1 else tensor for name, tensor in tape.saved.items()}
+    tape.saved.update({"o_proj.cast": tape.saved["attention"], "down_proj.cast": product})
+    return tape, output
+
+
+def rope_tables(ev: Events, spec: ModelSpec, w: Workload) -> tuple[list[int], list[int]]:
+    """LlamaRotaryEmbedding on the positions (fp32): (positions, [cos, sin])."""
+    seq, hd = w.seq, spec.head_dim
+    positions = ev.alloc([r512(8 * seq)])
+    position_floats = ev.alloc([r512(4 * seq)])
+    freqs = ev.alloc([r512(4 * seq * hd // 2)])
+    ev.free(position_floats)
+    emb, cos_raw = ev.alloc([r512(4 * seq * hd)] * 2)
+    cos = ev.alloc([r512(4 * seq * hd)])
+    ev.free([cos_raw])
+    sin_raw = ev.alloc([r512(4 * seq * hd)])
+    sin = ev.alloc([r512(4 * seq * hd)])
+    ev.free(sin_raw + freqs + [emb])
+    return positions, cos + sin
+
+
+def forward_microbatch(ev: StageEvents, spec: ModelSpec, w: Workload, place: StagePlace, stage_input: int | None
+                       ) -> MicroBatch:
+    """The stage's forward of one micro-batch (`PipelineStageModule.forward`) and, on the last stage, the
+    loss; `stage_input`: the receive buffer (None on the first stage: the embedding's output)."""
+    if stage_input is None:
+        stage_input = ev.alloc([hidden_bytes(spec, w)])[0]
+    positions, rope = rope_tables(ev, spec, w)
+    mb = MicroBatch(stage_input=stage_input, tapes=[], rope=rope)
+    x = stage_input
+    for index in range(spec.num_layers):
+        tape, x = layer_without_cache(ev, spec, w, index)
+        mb.tapes.append(tape)
+    if place.last:
+        head_forward(ev, spec, w, mb)
+    else:
+        mb.output = mb.tapes[-1].saved.pop("h2") if mb.tapes else x  # held by fwd_cache, not by autograd
+    ev.free(positions)
+    return mb
+
+
+def head_forward(ev: StageEvents, spec: ModelSpec, w: Workload, mb: MicroBatch) -> None:
+    """The final norm, the head under autocast, and the loss forward: `cross_entropy(logits.float(), labels)`."""
+    T, h, V = w.batch * w.seq, spec.hidden_size, spec.vocab_size
+    mb.final = LayerTape(ev, spec.num_layers)
+    hidden = norm_forward(mb.final, T, h, DTYPE_BYTES[w.compute_dtype], True, True, True, out_keep=False)
+    copy, cast, logits = ev.alloc([r512(2 * V * h), r512(2 * T * h), r512(2 * T * V)])
+    ev.free([hidden])
+    upcast, labels, log_softmax = ev.alloc([r512(4 * T * V), r512(8 * T), r512(4 * T * V)])
+    loss, total_weight = ev.alloc([512, 512])
+    ev.free([upcast])
+    mb.head = {"copy": copy, "cast": cast, "logits": logits, "labels": labels, "log_softmax": log_softmax,
+               "loss": loss, "total_weight": total_weight}
+
+
+def head_backward(ev: StageEvents, spec: ModelSpec, w: Workload, mb: MicroBatch, grads: list[int]) -> int:
+    """The loss's backward, the head's (bf16 matmuls, fp32 casts of both gradients) and the final norm's;
+    returns the last layer's output gradient."""
+    T, h, V = w.batch * w.seq, spec.hidden_size, spec.vocab_size
+    saved = mb.head
+    mb.head["ones"] = ev.alloc([512])[0]  # the loss's gradient
+    nll_grad = ev.alloc([r512(4 * T * V)])
+    ev.free([saved["labels"], saved["total_weight"]])
+    softmax_grad = ev.alloc([r512(4 * T * V)])
+    ev.free(nll_grad + [saved["log_softmax"]])
+    logits_grad = ev.alloc([r512(2 * T * V)])
+    ev.free(softmax_grad)
+    weight_grad, input_grad = ev.alloc([r512(2 * V * h), r512(2 * T * h)])
+    ev.free(logits_grad + [saved["copy"], saved["cast"]])
+    input_fp32 = ev.alloc([r512(4 * T * h)])
+    ev.free([input_grad])
+    grads += ev.alloc([r512(DTYPE_BYTES[w.weight_dtype] * V * h)])
+    ev.free([weight_grad])
+    grad = norm_backward(mb.final, T, h, DTYPE_BYTES[w.compute_dtype], True, True, input_fp32[0])
+    grads += ev.alloc([r512(DTYPE_BYTES[w.weight_dtype] * h)])
+    mb.final.release_all()
+    return grad
+
+
+def backward_microbatch(ev: StageEvents, spec: ModelSpec, w: Workload, place: StagePlace, mb: MicroBatch,
+                        grad_buffer: int | None, accumulate: bool) -> tuple[int | None, list[int]]:
+    """One micro-batch's backward through the stage (on the first stage the embedding's too). Returns a
+    non-first stage's input gradient (the one sent back) and the weight gradients made. `accumulate`: the
+    step's gradients exist: these are added to them in place and freed at once."""
+    start, grads = len(ev.events), []
+    grad = head_backward(ev, spec, w, mb, grads) if place.last else grad_buffer
+    for index in reversed(range(spec.num_layers)):
+        grad = backward_layer(mb.tapes[index], spec, w, grads, grad)
+        if index == 0:
+            ev.free(mb.rope)  # the first layer's RoPE backward is the last use of cos and sin
+    if place.first:
+        grads += ev.alloc([r512(DTYPE_BYTES[w.weight_dtype] * spec.embedding_params)])
+        ev.free([grad, mb.stage_input])
+        grad = None
+    ev.free([mb.output] if mb.output is not None else [])
+    ev.free([mb.head["ones"]] if place.last else [])  # the loss's gradient dies with autograd's backward
+    if accumulate:
+        free_at_once(ev, start, grads)
+    return grad, grads
+
+
+def free_at_once(ev: Events, start: int, ids: list[int]) -> None:
+    """Each of `ids`, made since event `start`, freed right after it is made."""
+    wanted = set(ids)
+    tail = []
+    for event in ev.events[start:]:
+        tail.append(event)
+        if event.action == "alloc" and event.addr in wanted:
+            tail.append(AllocEvent("free", event.addr, 0))
+    ev.events[start:] = tail
+
+
+@dataclass(kw_only=True, slots=True)
+class Buffers:
+    """The stage's kept receive buffers, one per micro-batch (made on the first step)."""
+
+    inputs: list[int] = field(default_factory=list)
+    output_grads: list[int] = field(default_factory=list)
+
+
+def infer_shapes(ev: StageEvents, spec: ModelSpec, w: Workload, place: StagePlace) -> Buffers:
+    """The first step's metadata inference (see the module) and the receive buffers it sizes."""
+    buffers = Buffers()
+    empty = [] if place.first else ev.alloc([hidden_bytes(spec, w)])
+    mb = forward_microbatch(ev, spec, w, place, empty[0] if empty else None)
+    if not place.first:
+        buffers.inputs = ev.keep([hidden_bytes(spec, w)] * place.microbatches)
+    if place.first and not place.last:
+        ev.free(ev.alloc([hidden_bytes(spec, w)]))  # the ones of the output's gradient; no backward to ids
+        for tape in reversed(mb.tapes):
+            tape.release_all()
+        ev.free(mb.rope + [mb.stage_input, mb.output])
+    else:
+        ones = [] if place.last else ev.alloc([hidden_bytes(spec, w)])
+        sent, _grads = backward_microbatch(ev, spec, w, place, mb, ones[0] if ones else None, accumulate=True)
+        # The ones (a middle stage's output gradient) died in the backward; the rest is dropped now.
+        ev.free([sent] + empty + [mb.head.get(name) for name in ("logits", "loss") if mb.head])
+    if not place.last:
+        buffers.output_grads = ev.keep([hidden_bytes(spec, w)] * place.microbatches)
+    return buffers
+
+
+def run_schedule(ev: StageEvents, spec: ModelSpec, w: Workload, place: StagePlace,
+                 buffers: Buffers) -> tuple[list[int], list[int], list[int]]:
+    """One schedule step over the micro-batches. Returns what the stage keeps until the next step (the sent
+    gradients, the last stage's logits), the step's gradients, and the losses."""
+    forwards: dict[int, MicroBatch] = {}
+    grads: list[int] = []
+    kept: list[int] = []
+    losses: list[int] = []
+    for action, index in action_order(place):
+        if action == "F":
+            forwards[index] = forward_microbatch(ev, spec, w, place,
+                                                 None if place.first else buffers.inputs[index])
+            continue
+        mb = forwards.pop(index)
+        grad_buffer = None if place.last else buffers.output_grads[index]
+        sent, made = backward_microbatch(ev, spec, w, place, mb, grad_buffer, accumulate=bool(grads))
+        grads = grads or made
+        kept += [sent] if sent is not None else []
+        if place.last:
+            kept.append(mb.head["logits"])
+            losses.append(mb.head["loss"])
+    return kept, grads, losses
+
+
+def stage_slice(items: list[int], place: StagePlace) -> list[int]:
+    """A whole-model list [embedding, layers..., final norm, head] cut to what the stage holds."""
+    return items[:1] * place.first + items[1:-2] + items[-2:] * place.last
+
+
+def stage_schedule(spec: ModelSpec, w: Workload, place: StagePlace) -> list[AllocEvent]:
+    """Two training steps of one stage (see the module): `spec` is the stage's share (its layers; embedding
+    and head are taken as `place` says)."""
+    ev = StageEvents()
+    ev.alloc(stage_slice(weight_tensor_sizes(spec, w), place) + [rope_buffer_bytes(spec) // 2] * 2 + [512])
+    grad_sizes = stage_slice(trainable_tensor_sizes(spec, w), place)
+    state = optimizer_state_tensors(w, stage_slice(trainable_numels(spec, w), place), grad_sizes)
+    tokens = place.microbatches * w.batch * w.seq
+    kept: list[int] = []
+    buffers = None
+    for step in range(2):
+        ids = ev.alloc([r512(8 * tokens)] + ([r512(8 * (tokens + place.microbatches * w.batch))] if place.last
+                                              else []))
+        buffers = buffers or infer_shapes(ev, spec, w, place)
+        ev.free(kept)  # clear_runtime_states: the last step's outputs and sent gradients
+        kept, grads, losses = run_schedule(ev, spec, w, place, buffers)
+        if place.last:  # `step()` returns the micro-batches' logits concatenated (`merge_chunks`); dropped
+            ev.free(ev.alloc([r512(2 * place.microbatches * w.batch * w.seq * spec.vocab_size)]))
+        ev.alloc(state if step == 0 else [])
+        temporaries = ev.alloc(grad_sizes) if has_step_temporaries(w) else []
+        ev.free(temporaries + grads)
+        ev.free(losses + ids)
+    return ev.events
+
+
+PIPELINE_OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
+MICROBATCHES_PER_STAGE = 1
+"""Stage schedules are replayed up to this many micro-batches per stage: a stage of ceil(L / p) layers then
+replays no more layer steps than the whole model's one-GPU schedule, so an estimate stays as quick (8B on 2
+stages with 8 micro-batches: 30 s instead of 3). Beyond, the first stage's share replays as one GPU, which
+errs on the large side (108.76 GiB reserved against the stage schedules' 107.86 there)."""
+
+
+def pipeline_schedulable(spec: ModelSpec, w: Workload, layout) -> bool:
+    """Whether a stage of `layout` has its own schedule here: what the pipeline bundle runs (a dense Llama with
+    untied embeddings, one stage per GPU, autocast, the whole loss, no checkpointing) and the layer schedule
+    covers (SDPA, no biases, no padding, compile, fused kernels or offload)."""
+    plain_model = (spec.model_type == "llama" and not spec.tie_word_embeddings and not spec.is_moe
+                   and not spec.sliding_window and spec.qk_norm == "none"
+                   and not (spec.attention_bias or spec.mlp_bias or spec.qkv_bias))
+    plain_layout = (layout.tp == 1 and layout.dp == 1 and layout.ep == 1 and layout.sharding == "none"
+                    and layout.offload == "none")
+    plain_step = (w.task == "train" and w.mixed and w.quant == "none" and w.optimizer in PIPELINE_OPTIMIZERS
+                  and not (w.optimizer_in_backward or w.liger or w.offload_activations or w.compile
+                           or w.padding_free or w.ac_every)
+                  and w.attn == "sdpa" and w.padding == "none" and w.loss == "full")
+    return plain_model and plain_layout and plain_step and pipeline_affordable(layout)
+
+
+def pipeline_affordable(layout) -> bool:
+    """Whether the stage schedules are replayed at this many micro-batches (`MICROBATCHES_PER_STAGE`)."""
+    return layout.microbatches <= MICROBATCHES_PER_STAGE * layout.pp
+
+
+def pipeline_stage_schedule(spec: ModelSpec, w: Workload, layout, stage: int) -> list[AllocEvent]:
+    """Stage `stage` of `layout` (`spec`: the first stage's share, ceil(L / p) layers, which every stage is
+    given: a stage with one layer fewer holds less of the same)."""
+    place = StagePlace(stage=stage, stages=layout.pp, microbatches=layout.microbatches,
+                       schedule=layout.pipeline_schedule)
+    return stage_schedule(spec, w, place)
