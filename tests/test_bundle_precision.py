@@ -25,8 +25,10 @@ def test_zero2_under_deepspeed_is_sized_as_its_bf16_mode():
     layout = make_layout(SPEC, MIXED, gpus=2, sharding="zero2")
     phases = estimate_report(SPEC, MIXED, layout, details=False).phases
     P, n = SPEC.num_params, 2
-    # DeepSpeed's accounting: bf16 weights, bf16 gradients and the fp32 partition, fp32 master weights + moments
-    assert phases["optimizer"] == {"weights": 2 * P, "gradients": 2 * P // n + 4 * P // n, "optimizer": 12 * P // n}
+    # DeepSpeed's: bf16 weights; in the step the bf16 gradient partition, its concatenation and the fp32 gradient
+    # cast from it (`parallel.zero_phase_states`); fp32 master weights + moments
+    assert phases["optimizer"] == {"weights": 2 * P, "gradients": 2 * (2 * P // n) + 4 * P // n,
+                                   "optimizer": 12 * P // n}
     # activations, logits and temporaries are the bf16 run's: the module holds bf16 weights, nothing autocasts
     bf16 = per_gpu_phases(SPEC, with_changes(MIXED, precision="bf16"), layout)
     assert phases == bf16

@@ -161,17 +161,38 @@ def test_the_report_says_the_fragmentation_is_the_zero_ranks(config_path, capsys
 
 
 @pytest.mark.parametrize(("sharding", "grad_accum", "forward_gradients"), [
-    ("zero2", 1, 0), ("zero1", 1, 0), ("zero2", 2, 2 * PARAMS // 2 + 4 * PARAMS // 2), ("zero1", 2, 2 * PARAMS)])
+    ("zero2", 1, 0), ("zero1", 1, 0), ("zero2", 2, 2 * PARAMS // 2), ("zero1", 2, 2 * PARAMS)])
 def test_zero_gradients_live_from_backward_to_the_step(config_path, capsys, sharding, grad_accum, forward_gradients):
     """ZeRO-1/2 makes its gradients in backward and frees them in the step: none in forward with one micro-batch
     a step, whose second forward the ranks measure at 1,463,296 (the estimate's: 1,459,712); with accumulation
-    the partition's gradients carry over to the next micro-batch's forward."""
+    the 16-bit gradients carry over to the next micro-batch's forward (ZeRO-2: the partition's; ZeRO-1, which
+    reduces at the boundary only: all). The fp32 gradient partition lives in the step only, beside the 16-bit
+    partition and its concatenation."""
     capsys.readouterr()
     assert main(["estimate", "--config", str(config_path), "--batch", "2", "--seq", "16", "--grad-accum",
                  str(grad_accum), "--precision", "bf16-mixed", "--optimizer", "adamw", "--gpus", "2", "--sharding",
                  sharding, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["phase_breakdowns"]["forward"].get("gradients", 0) == forward_gradients
-    assert report["phase_breakdowns"]["backward"]["gradients"] > 0
+    bucket = 2 * 64 * 64  # the emitted reduce_bucket_size (h x h) in bf16
+    unreduced = 2 * PARAMS if sharding == "zero1" else 0
+    assert report["phase_breakdowns"]["backward"]["gradients"] == unreduced + 2 * PARAMS // 2 + bucket
+    assert report["phase_breakdowns"]["optimizer"]["gradients"] == 2 * (2 * PARAMS // 2) + 4 * PARAMS // 2
     if (sharding, grad_accum) == ("zero2", 1):
         assert report["phases"]["forward"] == 1_459_712
+
+
+@pytest.mark.parametrize(("sharding", "estimate_peak"), [("zero2", 1_675_008), ("zero1", 1_918_400)])
+def test_the_estimate_follows_the_ranks_schedule(config_path, capsys, sharding, estimate_peak):
+    """The estimate's peak against the GPU rank's schedule (1,686,528 under both stages: the step, with the 16-bit
+    partition, its concatenation and the fp32 gradient). ZeRO-2's is the step's within 1 % (the fp64 norm piece
+    and the scalars left out); ZeRO-1's stays above it, in backward: the analytic phase keeps every 16-bit
+    gradient beside the activations of its worst moment, where the run frees activations as gradients come."""
+    spec, w, layout = _setup(config_path, sharding)
+    schedule_peak = peak_allocated_bytes(zero_rank_schedule(spec, w, layout))
+    capsys.readouterr()
+    assert main(["estimate", "--config", str(config_path), "--batch", "2", "--seq", "16", "--precision", "bf16-mixed",
+                 "--optimizer", "adamw", "--gpus", "2", "--sharding", sharding, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (schedule_peak, report["peak_allocated_bytes"]) == (1_686_528, estimate_peak)
+    assert report["peak_phase"] == ("optimizer" if sharding == "zero2" else "backward")

@@ -202,12 +202,13 @@ def test_deepspeed_zero2_bundle_runs_with_a_replicated_teacher(paths, capsys):
     """The teacher outside DeepSpeed's engine, whole on each rank. ZeRO-2 makes its gradients in backward and frees
     them in the step, so the forward, where the teacher's logits are, holds none (`parallel.zero_phase_states`):
     measured 2,613,760 in the second step's forward against the estimate's 2,610,176 (with the gradients counted
-    there, the estimate was 7 % above the run). The ranks peak in the step at 2,816,512 (torch's AdamW on CPU
-    with its two fp32 temporaries), the estimate in backward at 2,831,296."""
+    there, the estimate was 7 % above the run). The ranks peak in the step at 2,816,512: the estimate's step,
+    2,530,560, plus what only a CPU rank holds there (271,872: torch's AdamW temporaries and the host's fp32
+    originals, by the student's own gloo and nccl schedules, tests/test_bundle_runs.py)."""
     pytest.importorskip("deepspeed")
     estimate = _estimate(paths, capsys, "--sharding", "zero2")
     assert estimate["phases"]["forward"] == 2_610_176 and "gradients" not in estimate["phase_breakdowns"][
         "forward"]
     peaks, _readme = _run(paths, "auto", "zero2", "deepspeed", steps=2)
-    assert all(abs(peak - estimate["peak_allocated_bytes"]) <= 0.02 * estimate["peak_allocated_bytes"]
-               for peak in peaks), (peaks, estimate["peak_allocated_bytes"])
+    step = estimate["phases"]["optimizer"] + 271_872
+    assert all(abs(peak - step) <= 0.02 * step for peak in peaks), (peaks, step)

@@ -76,8 +76,9 @@ def test_the_case_chooses_different_layouts_per_engine(plans):
     # ZeRO-2 beside it
     assert (layouts["any"].tp, layouts["any"].sharding) == (2, "zero2")
     assert (layouts["fsdp2"].dp, layouts["fsdp2"].sharding, layouts["fsdp2"].engine) == (4, "zero3", "fsdp2")
-    # ZeRO-2's reserved figure comes from its rank's own schedule (llamem.analytic.schedule_deepspeed): 11.27 GiB
-    # with selective checkpointing and Liger, where the single-GPU share replayed with whole states did not fit
+    # ZeRO-2 sized phase by phase as DeepSpeed allocates (the fp32 gradient partition in the step only,
+    # `parallel.zero_phase_states`) fits 12 GiB with selective checkpointing and accumulation (11.59 GiB, was
+    # ZeRO-3 when every phase held the 16-bit and the fp32 gradient partitions)
     assert layouts["deepspeed"].sharding == "zero2" and layouts["deepspeed"].dp == 4
     assert layouts["deepspeed"].engine != "fsdp2"  # sized as DeepSpeed runs it, not as FSDP2
     assert (layouts["megatron"].tp, layouts["megatron"].sharding) == (2, "zero1")  # the distributed optimizer

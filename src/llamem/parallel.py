@@ -410,7 +410,7 @@ def apply_data_parallel(phases: dict[str, dict[str, int]], local: ModelSpec, w: 
                 # DeepSpeed steps a flat fp32 partition with a fused Adam (or on the host when
                 # offloading): no per-parameter temporaries on the GPU.
                 kept.pop("temporaries", None)
-            phases[name] = {**kept, **{k: v for k, v in zero_phase_states(states, name, w, layout).items() if v}}
+            phases[name] = {**kept, **{k: v for k, v in zero_phase_states(states, name, local, w, layout).items() if v}}
     elif layout.sharding == "zero3":
         # Frozen weights (LoRA base, inference) sharded: a shard plus the gathered largest layer.
         for breakdown in phases.values():
@@ -427,16 +427,34 @@ def apply_data_parallel(phases: dict[str, dict[str, int]], local: ModelSpec, w: 
     return phases
 
 
-def zero_phase_states(states: dict[str, int], phase: str, w: Workload, layout: Layout) -> dict[str, int]:
-    """A phase's model states. DeepSpeed ZeRO-1/2 makes its gradients in backward (the reduce bucket, the
-    partition's `grads_in_partition`) and frees them in the step (stage_1_and_2.py; `llamem.analytic.
-    schedule_deepspeed`): with one micro-batch a step and no pipeline, none are alive at load or in forward.
-    Measured on the 2-rank CPU bundle of a distillation, which peaks in forward with its teacher's logits:
-    the estimate was 7 % above the ranks with them."""
-    if (phase in ("load", "forward") and layout.sharding in ("zero1", "zero2") and layout.offload == "none"
-            and layout.pp == 1 and w.grad_accum == 1):
-        return {k: v for k, v in states.items() if k != "gradients"}
-    return states
+def zero_phase_states(states: dict[str, int], phase: str, local: ModelSpec, w: Workload,
+                      layout: Layout) -> dict[str, int]:
+    """A phase's model states under DeepSpeed ZeRO-1/2 without offload (stage_1_and_2.py, as
+    `llamem.analytic.schedule_deepspeed` replays it; the large allocations of the 2-rank CPU bundle's trace
+    in the same sizes and order). Gradients live from backward to the step: with one micro-batch a step and
+    no pipeline, none at load or in forward (the ZeRO-2 distillation bundle, which peaks in forward with its
+    teacher's logits, was 7 % below an estimate that kept them). Backward holds the 16-bit gradients (all of
+    them to its end under ZeRO-1, each unit's until reduced under ZeRO-2), the partition's 16-bit
+    `grads_in_partition` and the reduce bucket (the emitted reduce_bucket_size, h x h elements); the fp32
+    gradient partition exists in the step only, beside `grads_in_partition` and its 16-bit concatenation,
+    which it is cast from. On llama-3.1-8b, ZeRO-2 on 2 GPUs, 2 x 1024 tokens: the peak moves from backward
+    (104.71 GB, with the fp32 partition) to the step (96.36 GB; the rank's schedule peaks at 96.40 GB)."""
+    if layout.sharding not in ("zero1", "zero2") or layout.offload != "none" or layout.pp > 1:
+        return states
+    P, n, half = local.num_params, layout.dp, DTYPE_BYTES[w.compute_dtype]
+    partition = half * P // n
+    unreduced = half * P if layout.sharding == "zero1" else 0
+    if phase == "load" or (phase == "forward" and w.grad_accum == 1):
+        kept = {}
+    elif phase == "forward":  # a later micro-batch: ZeRO-1 reduces at the boundary only, ZeRO-2 as it goes
+        kept = {"gradients": unreduced or partition}
+    elif phase == "backward":
+        kept = {"gradients": unreduced + partition + half * local.hidden_size ** 2}
+    else:
+        kept = {"gradients": 2 * partition + 4 * P // n}
+    fp32_gradients = 4 * P // n if layout.sharding == "zero1" else 0  # ZeRO-1's accounting has it with the state
+    others = {k: v for k, v in states.items() if k != "gradients"}
+    return {**others, **kept, "optimizer": states["optimizer"] - fp32_gradients}
 
 
 # FSDP2 ----------------------------------------------------------------------------------------------
