@@ -438,7 +438,7 @@ def zero_phase_states(states: dict[str, int], phase: str, local: ModelSpec, w: W
     `grads_in_partition` and the reduce bucket (the emitted reduce_bucket_size, h x h elements); the fp32
     gradient partition exists in the step only, beside `grads_in_partition` and its 16-bit concatenation,
     which it is cast from. On llama-3.1-8b, ZeRO-2 on 2 GPUs, 2 x 1024 tokens: the peak moves from backward
-    (104.71 GB, with the fp32 partition) to the step (96.36 GB; the rank's schedule peaks at 96.40 GB)."""
+    (97.52 GiB, with the fp32 partition) to the step (89.75 GiB; the rank's schedule peaks at 89.78 GiB)."""
     if layout.sharding not in ("zero1", "zero2") or layout.offload != "none" or layout.pp > 1:
         return states
     P, n, half = local.num_params, layout.dp, DTYPE_BYTES[w.compute_dtype]
