@@ -17,7 +17,6 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from bundle_runner import (  # noqa: E402
-    LINE,
     NORM_BYTES,
     ROPE_BUFFERS_BYTES,
     H,
@@ -25,13 +24,12 @@ from bundle_runner import (  # noqa: E402
     _layer_shapes,
     _plan,
     config_path,
-    launch,
+    start_run,
 )
 
 from llamem.allocator.replay import load_events, smallest_card  # noqa: E402
 from llamem.analytic.schedule_pipeline import StagePlace, action_order, stage_schedule  # noqa: E402
 from llamem.analytic.schedule_ranks import rank_schedule, rank_schedule_kind  # noqa: E402
-from llamem.bundle import emit_bundle  # noqa: E402
 from llamem.cli import main  # noqa: E402
 from llamem.parallel import make_layout, pipeline_phases, pipeline_stage_phases, shard_spec  # noqa: E402
 from llamem.trace.tracer import rounded  # noqa: E402
@@ -48,23 +46,13 @@ def _peak(phases: dict[str, dict[str, int]]) -> int:
 @pytest.fixture(scope="module")
 def pipeline_run(config_path, tmp_path_factory):
     """The 2-stage plan (two micro-batches: 1F1B), per rank its wrapped live bytes, losses and peak, and the
-    folder of the ranks' event streams (rank0.json, rank1.json)."""
+    folder of the ranks' event streams (rank0.json, rank1.json): the session's run (`start_run`)."""
     plan = _plan(config_path, pp=2, grad_accum=2)
-    folder = tmp_path_factory.mktemp("pp")
-    assert emit_bundle(plan, folder).unsupported is None
-    stdout = launch(folder, ["--cpu", "--random-init", "--max-steps", "2", "--memory-trace", str(folder / "traces")])
-    ranks: dict[int, dict] = {0: {"losses": []}, 1: {"losses": []}}
-    for line in stdout.splitlines():
-        if match := LINE.match(line):
-            if match[2] == "wrapped":
-                ranks[int(match[1])]["wrapped"] = int(match[5])
-            else:
-                ranks[int(match[1])]["losses"].append(match[3])
-        elif match := re.match(r"^rank (\d+) peak_bytes=(\d+)$", line):
-            ranks[int(match[1])]["peak"] = int(match[2])
-    assert all(len(r) == 3 and len(r["losses"]) == 2 for r in ranks.values()), stdout
-    assert len(re.findall(r"^rank \d trace ", stdout, re.MULTILINE)) == 2, stdout
-    return plan, ranks, folder / "traces"
+    run = start_run(tmp_path_factory, plan).result()
+    assert len(re.findall(r"^rank \d trace ", run.stdout, re.MULTILINE)) == 2, run.stdout
+    ranks = {rank: {"wrapped": figures["windows"][0][1], "losses": figures["losses"], "peak": figures["peak"]}
+             for rank, figures in run.ranks().items()}
+    return plan, ranks, run.traces
 
 
 def test_each_stage_holds_its_own_layers(pipeline_run):

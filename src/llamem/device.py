@@ -141,9 +141,7 @@ def stage_fragmentation(spec: ModelSpec, w: Workload, layout: Layout | None = No
     """The monotone allowance and the pipeline stage it comes from (None off a pipeline)."""
     canonical = dataclasses.replace(w, batch=1, seq=MIN_PROBE_SEQ)
     named, stages = schedule_stages(spec, w, layout)
-    if stages == (None,):
-        return _envelope(spec, canonical, tuple(probe_shapes(w)), named), None
-    return _stages_envelope(spec, canonical, tuple(probe_shapes(w)), named, stages)
+    return _envelope(spec, canonical, tuple(probe_shapes(w)), named, stages)
 
 
 def fragmentation_bytes(spec: ModelSpec, w: Workload, layout: Layout | None = None) -> int:
@@ -157,11 +155,14 @@ def fragmented_stage(spec: ModelSpec, w: Workload, layout: Layout | None) -> int
 
 
 @lru_cache(maxsize=PROBE_CACHE_SIZE)
-def _stages_envelope(spec: ModelSpec, canonical: Workload, shapes: tuple[tuple[int, int], ...], layout: Layout,
-                     stages: tuple[int, ...]) -> tuple[int, int]:
-    """A pipeline's allowance: the largest, over the probes and the stages, of a stage's reserved memory beyond
-    the busiest stage's allocated peak at the same probe (so the busiest stage's allocated figure plus it is
-    the worst stage's reserved one), and that stage. Searches stop as early as `_envelope`'s do."""
+def _envelope(spec: ModelSpec, canonical: Workload, shapes: tuple[tuple[int, int], ...], layout: Layout | None,
+              stages: tuple[int | None, ...]) -> tuple[int, int | None]:
+    """The largest fragmentation over the probes and, on a pipeline, its stages: a stage's reserved memory
+    beyond the busiest stage's allocated peak at the same probe (so the busiest stage's allocated figure plus
+    it is the worst stage's reserved one), and that stage (`(None,)` off a pipeline: the one schedule). The
+    largest probe is searched to the end first, then each smaller one only as far as needed to know whether
+    it stays within the largest found so far. The searches are the same whoever drives them
+    (`SmallestCardSearch`), so this is the exact maximum of the probes' own figures."""
     found, worst = None, stages[0]
     for batch, seq in reversed(shapes):
         probe = dataclasses.replace(canonical, batch=batch, seq=seq)
@@ -173,24 +174,6 @@ def _stages_envelope(spec: ModelSpec, canonical: Workload, shapes: tuple[tuple[i
                 if found is None or search.high - busiest > found:
                     found, worst = search.high - busiest, stage
     return max(found, 0), worst
-
-
-@lru_cache(maxsize=PROBE_CACHE_SIZE)
-def _envelope(spec: ModelSpec, canonical: Workload, shapes: tuple[tuple[int, int], ...],
-              layout: Layout | None = None) -> int:
-    """The largest fragmentation over the probes, without searching every probe to the end: the
-    largest probe first, then each smaller one only as far as needed to know whether it stays
-    within the largest found so far. The searches are the same whoever drives them
-    (`SmallestCardSearch`), so this is the exact maximum of the probes' own figures."""
-    probes = [_search(spec, dataclasses.replace(canonical, batch=b, seq=s), layout) for b, s in shapes]
-    largest = probes[-1]
-    largest.finish()
-    found = largest.high - largest.allocated
-    for search in reversed(probes[:-1]):
-        if not search.settle_within(search.allocated + found):
-            search.finish()
-            found = max(found, search.high - search.allocated)
-    return found
 
 
 @lru_cache(maxsize=SEARCH_CACHE_SIZE)
