@@ -65,6 +65,25 @@ class Events:
         rank all-reduces some of them into new tensors (`llamem.analytic.schedule_ranks`)."""
 
 
+class LiveEvents(Events):
+    """Events that know which tensors are alive: a free of one an engine already let go of (a gradient its hook
+    or reduce-scatter released) is dropped when the single-GPU step frees the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: set[int] = set()
+
+    def alloc(self, sizes: list[int], stream: int = 0) -> list[int]:
+        ids = super().alloc(sizes, stream)
+        self.live.update(ids)
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        ids = [i for i in ids if i in self.live]
+        self.live.difference_update(ids)
+        super().free(ids)
+
+
 def weight_tensor_sizes(spec: ModelSpec, w: Workload) -> list[int]:
     dtype = w.weight_dtype
     sizes = [r512(DTYPE_BYTES[dtype] * spec.embedding_params)]

@@ -42,7 +42,7 @@ from typing import Literal
 
 from llamem.allocator.replay import AllocEvent
 from llamem.analytic.common import r512
-from llamem.analytic.schedule import Events, optimizer_state_tensors, training_steps
+from llamem.analytic.schedule import Events, LiveEvents, optimizer_state_tensors, training_steps
 from llamem.analytic.weights import rope_buffer_bytes, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -105,25 +105,6 @@ def zero_partition(spec: ModelSpec, world: int, rank: int) -> ZeroPartition:
     return ZeroPartition(param_numels=tuple(n for _u, n in params), flat_numel=flat, partition_numel=size,
                          pieces=tuple(pieces), whole_numels=tuple(whole), owned_units=frozenset(units),
                          padding_numel=flat - total if rank == world - 1 else 0)
-
-
-class LiveEvents(Events):
-    """Events that know which tensors are alive: a free of one an engine already let go of (a gradient its hook
-    or reduce-scatter released) is dropped when the single-GPU step frees the rest."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: set[int] = set()
-
-    def alloc(self, sizes: list[int], stream: int = 0) -> list[int]:
-        ids = super().alloc(sizes, stream)
-        self.live.update(ids)
-        return ids
-
-    def free(self, ids: list[int]) -> None:
-        ids = [i for i in ids if i in self.live]
-        self.live.difference_update(ids)
-        super().free(ids)
 
 
 class ZeroEvents(LiveEvents):

@@ -66,8 +66,9 @@ from typing import Literal
 
 from llamem.allocator.replay import AllocEvent
 from llamem.analytic.common import r512
-from llamem.analytic.schedule import Events, optimizer_state_tensors, training_schedule, training_steps
-from llamem.analytic.schedule_deepspeed import LiveEvents, zero_rank_schedule
+from llamem.analytic.schedule import (Events, LiveEvents, optimizer_state_tensors, training_schedule,
+                                     training_steps)
+from llamem.analytic.schedule_deepspeed import zero_rank_schedule
 from llamem.analytic.schedule_pipeline import pipeline_schedulable, pipeline_stage_schedule
 from llamem.analytic.weights import rope_buffer_bytes, trainable_numels, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
