@@ -63,6 +63,7 @@ def matrix() -> list[tuple[str, dict]]:
     rows += [("debug", dict(task="distill", teacher="debug", batch=1, seq=256)),
              ("llama-3.2-1b", dict(task="distill", teacher="llama-3.2-3b", batch=1, seq=256))]
     rows += selective_rows()
+    rows += every_k_rows()
     rows += family_rows()
     rows += moe_rows()
     rows += llama4_rows()
@@ -384,6 +385,26 @@ def selective_rows() -> list[tuple[str, dict]]:
         ("llama-3.1-8b", dict(task="train", precision="bf16", batch=2, seq=4096, **every_2)),
         ("llama-3.1-8b", dict(task="lora", batch=1, seq=2048, **every_layer)),
         ("llama-3.1-8b", dict(task="train", precision="bf16", loss="chunked", batch=1, seq=2048, **every_layer)),
+    ]
+
+
+def every_k_rows() -> list[tuple[str, dict]]:
+    """Activation checkpointing every K layers (transformers' `every_n_layers`: layers 0, K, 2K, ...),
+    full checkpoints: without a cache SDPA runs causal, no mask, grouped-query attention natively
+    (`attention_paths.uncached_mask`). The two debug rows (4 layers: a plain layer after each
+    checkpointed one under every-2) join the CI subset; the 2-layer presets have layer 0 checkpointed,
+    layer 1 plain."""
+    return [
+        ("debug", dict(task="train", precision="bf16", optimizer="adamw", batch=2, seq=512, ac_every=2)),
+        ("debug", dict(task="train", precision="bf16-mixed", optimizer="adamw", batch=1, seq=1024, ac_every=3)),
+        ("tinyllama-1.1b", dict(task="lora", precision="bf16", optimizer="adamw", batch=2, seq=512, ac_every=2)),
+        ("tinyllama-1.1b", dict(task="train", precision="bf16", optimizer="adamw", batch=2, seq=2048, ac_every=2)),
+        ("llama-3.2-1b", dict(task="train", precision="bf16-mixed", optimizer="adamw", batch=1, seq=2048,
+                              ac_every=2)),
+        ("llama-3.1-8b", dict(task="lora", precision="bf16", optimizer="adamw", batch=1, seq=4096, ac_every=2)),
+        ("llama-2-7b", dict(task="qlora", precision="bf16", optimizer="adamw", batch=1, seq=2048, ac_every=2)),
+        # a sliding window (256) shorter than the sequence: its mask, one for the batch, kept by the checkpoint
+        ("mistral-7b-v0.1", dict(task="train", precision="bf16", optimizer="adamw", batch=2, seq=1024, ac_every=2)),
     ]
 
 

@@ -50,7 +50,7 @@ def test_the_search_under_emit_keeps_the_model_parallel_layouts_the_bundles_run(
     runs = bundle_runs("any")
     w = build_workload("train", batch=2, seq=16, grad_accum=2, precision="bf16-mixed", optimizer="adamw")
     assert runs(spec, w, make_layout(spec, w, gpus=2, tp=2)) and runs(spec, w, make_layout(spec, w, gpus=2, pp=2))
-    assert not runs(spec, w, make_layout(spec, w, gpus=4, tp=2, pp=2))  # both together: not emitted
+    assert runs(spec, w, make_layout(spec, w, gpus=4, tp=2, pp=2))  # both together: test_bundle_2d.py
     assert not runs(spec, w, make_layout(spec, w, gpus=4, tp=2, sharding="zero3"))  # 2D meshes: not emitted
     lora = build_workload("lora", batch=2, seq=16, precision="bf16", optimizer="adamw")
     assert not runs(spec, lora, make_layout(spec, lora, gpus=2, tp=2))

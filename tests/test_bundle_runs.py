@@ -44,17 +44,17 @@ SMALL_TENSOR_BYTES = 512
 inverse-frequency buffers (`inv_freq`, `original_inv_freq`) and the device mesh's rank list."""
 
 
-def _estimate(config_path, sharding: str, capsys) -> int:
+def _estimate(config_path, sharding: str, capsys, grad_accum: int = 1) -> int:
     capsys.readouterr()  # what earlier imports printed
-    assert main(["estimate", "--config", str(config_path), *WORKLOAD, "--gpus", "2", "--sharding", sharding,
-                 "--json"]) == 0
+    assert main(["estimate", "--config", str(config_path), *WORKLOAD, "--grad-accum", str(grad_accum), "--gpus", "2",
+                 "--sharding", sharding, "--json"]) == 0
     return json.loads(capsys.readouterr().out)["peak_allocated_bytes"]
 
 
-def _start(config_path, sharding: str, tmp_path_factory, timeout_s: int = 180) -> PendingRun:
+def _start(config_path, sharding: str, tmp_path_factory, timeout_s: int = 180, grad_accum: int = 1) -> PendingRun:
     """The 2-GPU bundle's run on CPU (this session's: 2 steps, each rank's trace), started."""
     spec = load_model(None, config_path=str(config_path))
-    w = build_workload("train", **FIELDS)
+    w = build_workload("train", **FIELDS, grad_accum=grad_accum)
     plan = layout_plan(spec, w, make_layout(spec, w, gpus=2, sharding=sharding), get_gpu("h100"),
                        model_args=("--config", str(config_path)))
     return start_run(tmp_path_factory, plan, timeout_s=timeout_s)
@@ -158,17 +158,18 @@ def test_fsdp2_bundle_ranks_hold_their_shards(config_path, started, capsys):
 
 def test_deepspeed_zero2_bundle_ranks_peak_at_the_estimate(config_path, tmp_path_factory, capsys):
     pytest.importorskip("deepspeed")
-    estimate = _estimate(config_path, "zero2", capsys)
-    run = _start(config_path, "zero2", tmp_path_factory, timeout_s=600).result()
+    # Two micro-batches a step: the launch tests/test_deepspeed_schedules.py checks the rank's schedule against.
+    estimate = _estimate(config_path, "zero2", capsys, grad_accum=2)
+    run = _start(config_path, "zero2", tmp_path_factory, timeout_s=600, grad_accum=2).result()
     print(run.stdout)
     ranks = run.ranks()
     assert ranks[0]["peak"] == ranks[1]["peak"]
     # The estimate is a GPU's: the parameters arrive in bf16 and DeepSpeed's FusedAdam steps the flat partition.
     # On CPU the tracker also counts the fp32 model built on the host (freed as each bf16 copy is made) and
     # torch's AdamW steps with two partition-sized temporaries: 271,872 bytes more at the peak, by the rank's
-    # own schedules (`schedule_deepspeed`, gloo against nccl). Measured 1,960,960; the estimate 1,675,008.
+    # own schedules (`schedule_deepspeed`, gloo against nccl). Measured 1,961,472; the estimate 1,675,008.
     spec = load_model(None, config_path=str(config_path))
-    w = build_workload("train", **FIELDS)
+    w = build_workload("train", **FIELDS, grad_accum=2)
     layout = make_layout(spec, w, gpus=2, sharding="zero2")
     cpu_only = (peak_allocated_bytes(zero_rank_schedule(spec, w, layout, backend="gloo"))
                 - peak_allocated_bytes(zero_rank_schedule(spec, w, layout)))

@@ -203,7 +203,9 @@ def test_fsdp2_refuses_what_it_does_not_size(spec):
         "--engine fsdp2 sizes full fine-tuning (--task train) for now: drop --engine fsdp2 for --task lora",
         "--engine fsdp2 sizes foreach and fused AdamW and SGD on the shards: use --optimizer adamw-fused, adamw or "
         "sgd, or drop --engine fsdp2 for adafactor"]
-    with pytest.raises(InvalidWorkload, match="--engine megatron: choose deepspeed or fsdp2"):
+    with pytest.raises(InvalidWorkload, match="--engine horovod: choose one of deepspeed, fsdp2, megatron"):
+        make_layout(spec, build_workload("train"), gpus=2, sharding="zero3", engine="horovod")
+    with pytest.raises(InvalidWorkload, match="--engine megatron sizes data parallel"):
         make_layout(spec, build_workload("train"), gpus=2, sharding="zero3", engine="megatron")
 
 

@@ -220,10 +220,11 @@ def test_truncation_is_the_last_resort(capsys):
 
 
 def test_training_splits_sequences_instead_of_dropping_tokens(capsys):
-    """LoRA on Llama-3.2-1B at 32768 tokens in 4 GiB: QLoRA, checkpointing and Liger's loss are not
-    enough, so each sequence is split (into 3 of 10923 tokens). Llama-3.1-8B at 65536 tokens on an RTX 4090
-    splits too (into 2), but the fragmentation replays of its 32 long layers take more than twice as long."""
-    code, out, _ = run(capsys, "plan", "llama-3.2-1b", "--budget", "4GiB", "--task", "lora", "--seq", "32768",
+    """LoRA on Llama-3.2-1B at 32768 tokens in 3.5 GiB: QLoRA, checkpointing and Liger's loss are not
+    enough, so each sequence is split (into 3 of 10923 tokens; 4 GiB takes 2 of 16384). Llama-3.1-8B at 65536
+    tokens on an RTX 4090 splits too (into 2), but the fragmentation replays of its 32 long layers take more
+    than twice as long."""
+    code, out, _ = run(capsys, "plan", "llama-3.2-1b", "--budget", "3.5GiB", "--task", "lora", "--seq", "32768",
                        "--json")
     data = json.loads(out)
     final = data["final"]["config"]["workload"]
@@ -247,6 +248,30 @@ def test_pipeline_micro_batches_are_the_accumulation_steps():
                 if not c.workload.ac_every and c.workload.loss == "full"}
     layout = next(layout for layout, batch in by_micro if batch == 1 and (layout, 8) in by_micro)
     assert by_micro[(layout, 1)].seconds_per_token < by_micro[(layout, 8)].seconds_per_token
+
+
+def test_the_bubble_stretches_a_pipelines_compute():
+    """(p - 1) / (M + p - 1) of a pipeline's step is idle: the compute takes (M + p - 1) / M times the ideal. With
+    one GPU per stage (no data or tensor parallel, so no collectives in the figure), 16 stages and 4 micro-batches
+    take 19 / 4 of the ideal (as good as unlimited micro-batches) and 2 stages 5 / 4."""
+    from llamem.cost import step_seconds
+
+    spec, gpu = load_model("llama-2-70b"), get_gpu("h100-80gb")
+    workload = build_workload(task="train", batch=1, seq=4096, grad_accum=4, precision="bf16", optimizer="adamw")
+    ideal = {p: step_seconds(spec, workload, Layout(pp=p, microbatches=1_000_000), gpu) for p in (2, 16)}
+    for p, stretch in ((16, 19 / 4), (2, 5 / 4)):
+        seconds = step_seconds(spec, workload, Layout(pp=p, microbatches=4), gpu)
+        assert seconds / ideal[p] == pytest.approx(stretch, rel=1e-4)
+
+
+def test_the_ladder_names_the_pipelines_micro_batches(capsys):
+    """The layout step shows the layout it sizes: a pipeline's micro-batches are the accumulation steps."""
+    assert main(["plan", "llama-2-70b", "--gpu", "h100-80gb", "--gpus", "16", "--task", "train", "--batch", "4",
+                 "--seq", "4096", "--precision", "bf16-mixed", "--optimizer", "adamw", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    layout_step = next(step for step in plan["steps"] if "parallelism" in step["technique"])
+    assert layout_step["change"] == "tp x8, pp x2 (1f1b, 4 micro-batches)"
+    assert "--tp 8 --pp 2" in layout_step["command"] and "--grad-accum 4" in layout_step["command"]
 
 
 def test_gpipe_keeps_every_micro_batch_in_flight(capsys):

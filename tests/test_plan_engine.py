@@ -54,7 +54,8 @@ def runs_accelerate(layout: Layout) -> bool:
 
 
 def runs_megatron(layout: Layout) -> bool:
-    return layout.engine == "deepspeed" and layout.offload == "none" and layout.sharding in ("none", "ddp", "zero1")
+    """Sized as Megatron-LM runs it (`llamem.megatron`): data parallel or its distributed optimizer."""
+    return layout.engine == "megatron" and layout.offload == "none" and layout.sharding in ("none", "ddp", "zero1")
 
 
 ALLOWED = {"fsdp2": runs_fsdp2, "deepspeed": runs_deepspeed, "accelerate": runs_accelerate,
@@ -76,10 +77,10 @@ def test_the_case_chooses_different_layouts_per_engine(plans):
     # ZeRO-2 beside it
     assert (layouts["any"].tp, layouts["any"].sharding) == (2, "zero2")
     assert (layouts["fsdp2"].dp, layouts["fsdp2"].sharding, layouts["fsdp2"].engine) == (4, "zero3", "fsdp2")
-    # ZeRO-2 sized phase by phase as DeepSpeed allocates (the fp32 gradient partition in the step only,
-    # `parallel.zero_phase_states`) fits 12 GiB with selective checkpointing and accumulation (11.59 GiB, was
-    # ZeRO-3 when every phase held the 16-bit and the fp32 gradient partitions)
-    assert layouts["deepspeed"].sharding == "zero2" and layouts["deepspeed"].dp == 4
+    # ZeRO-1/2 sized phase by phase as DeepSpeed allocates (`parallel.zero_phase_states`; ZeRO-1's backward the
+    # larger of its two moments, `parallel.zero1_backward`) fits 12 GiB with selective checkpointing: ZeRO-1, the
+    # first of the two that fits (11.65 GiB; ZeRO-3 when every phase held the 16-bit and the fp32 gradients)
+    assert layouts["deepspeed"].sharding == "zero1" and layouts["deepspeed"].dp == 4
     assert layouts["deepspeed"].engine != "fsdp2"  # sized as DeepSpeed runs it, not as FSDP2
     assert (layouts["megatron"].tp, layouts["megatron"].sharding) == (2, "zero1")  # the distributed optimizer
 
@@ -93,6 +94,15 @@ def test_fsdp2_reproduce_command_gives_the_same_figure(plans):
     report = json.loads(out)
     assert report["device_bytes"] == plan.final.device_bytes
     assert plan.steps[-1].command == plan.command and plan.steps[-1].peak_device_bytes == plan.final.device_bytes
+
+
+def test_megatron_reproduce_command_gives_the_same_figure(plans):
+    """The plan's figure is Megatron-LM's own model states: the command names the engine that sizes them."""
+    plan = plans["megatron"]
+    assert plan.command.endswith("--sharding zero1 --engine megatron")
+    code, out, _err = run_cli(shlex.split(plan.command)[1:] + ["--json"])
+    assert code == 0 and json.loads(out)["device_bytes"] == plan.final.device_bytes
+    assert any("Megatron-LM's --bf16" in note for note in json.loads(out)["notes"])
 
 
 def test_every_ladder_command_reproduces_its_figure(plans):
@@ -175,11 +185,11 @@ def test_engines_that_cannot_plan_the_task_say_so(argv, message):
 
 def test_maximize_batch_steps_by_the_replicas_when_every_layout_replicates():
     """Under DeepSpeed (no tensor or pipeline parallel) 4 GPUs are 4 replicas: the largest global batch
-    is a multiple of 4, each replica running a quarter of it. At 1024 tokens on 8 GiB cards (as planned
-    here: 196, 49 per replica) the search takes half the time of 2048 tokens on 12 GiB (124, 31 each)."""
+    is a multiple of 4, each replica running a quarter of it: at 1024 tokens on 8 GiB cards, 204 (51 per
+    replica; 196 before ZeRO-1's backward was sized as the larger of its two moments, `parallel.zero1_backward`)."""
     spec = load_model("llama-3.2-1b")
     w = build_workload(task="train", batch=8, seq=1024, precision="bf16-mixed", optimizer="adamw")
     plan = make_plan(spec, w, budget_gpu(8 * 2**30), num_gpus=4,
                      host_budget_bytes=HOST_BYTES, engine="deepspeed", maximize_what="batch")
-    assert plan.fits and plan.maximized == {"what": "batch", "value": 196}
-    assert plan.final.layout.dp == 4 and plan.final.workload.batch == 49 and plan.final.workload.grad_accum == 1
+    assert plan.fits and plan.maximized == {"what": "batch", "value": 204}
+    assert plan.final.layout.dp == 4 and plan.final.workload.batch == 51 and plan.final.workload.grad_accum == 1

@@ -53,9 +53,9 @@ def _plan(options: dict, budget_gib: float):
 
 def test_lora_code_builds_the_planned_model_and_arguments(tiny_model, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    plan = _plan(dict(task="lora", batch=8, seq=4096), 0.6)
+    plan = _plan(dict(task="lora", batch=8, seq=4096), 0.55)
     w = plan.final.workload
-    assert plan.fits and w.ac_every == 1  # the budget needs checkpointing
+    assert plan.fits and w.ac_every == 1  # the budget needs full checkpointing (0.6 GiB: selective every 2)
     code = plan_code(plan, model_id=tiny_model)
     done = _run(code, tiny_model)
     from peft import PeftModel

@@ -29,7 +29,7 @@ Per step on the busiest GPU:
   expert parallelism adds per MoE layer two all-to-alls of the token-expert pairs per forward (four per
   training step), (ep-1)/ep of them leaving each GPU, and all-reduces the experts' gradients over the
   n/ep ranks that hold the same experts;
-- pipeline bubble (p-1)/(m+p-1) on compute;
+- pipeline bubble: (p-1)/(m+p-1) of the step idle, so compute stretched by (m+p-1)/m;
 - offload: gradients to and weights from the host over PCIe each step, and the CPU AdamW
   update at 10 GB/s of optimizer state; activation offloading, each layer's input to the host
   and back over PCIe per micro-batch, not overlapped (`activation_offload_seconds`).
@@ -87,8 +87,11 @@ def step_seconds(spec: ModelSpec, w: Workload, layout: Layout, gpu: GPU, *, clus
         flops *= 1 + QLORA_DEQUANT_COST
     compute = flops / (gpu.bf16_flops * MFU * layout.num_gpus)
     if layout.pp > 1:
+        # The step takes M + p - 1 micro-batch slots of which each stage computes in M: the bubble, (p - 1) /
+        # (M + p - 1) of the step, stretches the ideal compute by (M + p - 1) / M (16 stages, 4 micro-batches:
+        # x4.75, not the x1.79 of adding the bubble's fraction).
         m = max(layout.microbatches, 1)
-        compute *= 1 + (layout.pp - 1) / (m + layout.pp - 1)
+        compute *= (m + layout.pp - 1) / m
     return (compute + communication_seconds(spec, w, layout, gpu, cluster) + _offload(spec, w, layout, gpu)
             + activation_offload_seconds(spec, w, layout, gpu))
 

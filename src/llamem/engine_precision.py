@@ -18,10 +18,11 @@ optimizer state. Engines hold it in different places:
 - torch FSDP2 with `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`: sharded fp32
   parameters, gathered and cast to bf16 per unit: 16-bit activations as well; `llamem.parallel.
   fsdp2_phases` sizes that already.
-ZeRO beside tensor or pipeline parallelism (Megatron-LM's `--bf16` with its distributed optimizer,
-torchtitan's FSDP2) holds 16-bit parameters too, and is sized the same way.
-Left out: Megatron-LM's `--bf16` without its distributed optimizer (16-bit parameters, fp32 main
-parameters and gradient buffers), which `--engine megatron` plans as the autocast recipe is sized.
+ZeRO beside tensor or pipeline parallelism (torchtitan's FSDP2) holds 16-bit parameters too, and is sized
+the same way.
+- Megatron-LM's `--bf16` / `--fp16` (`--engine megatron`, with or without its distributed optimizer):
+  a 16-bit model (`Float16Module`), an fp32 gradient buffer under bf16, fp32 main weights in the
+  optimizer (`llamem.megatron` counts them): 16-bit activations.
 """
 
 from __future__ import annotations
@@ -40,14 +41,26 @@ def deepspeed_16bit_mode(w: Workload, layout: Layout) -> bool:
             and w.task in ("train", "distill"))
 
 
+def sixteen_bit_module(w: Workload, layout: Layout) -> bool:
+    """Whether the engine casts the module itself to 16 bits where llamem would size autocast: DeepSpeed's
+    bf16 / fp16 mode, or Megatron-LM's `--bf16` / `--fp16`."""
+    return deepspeed_16bit_mode(w, layout) or (layout.engine == "megatron" and w.mixed and w.task == "train")
+
+
 def runs_as(w: Workload, layout: Layout) -> Workload:
-    """The workload whose activations the engine computes: the 16-bit one under DeepSpeed's bf16 / fp16
-    mode (the model states are DeepSpeed's accounting whatever the precision), else `w` itself."""
-    return with_changes(w, precision=w.compute_dtype) if deepspeed_16bit_mode(w, layout) else w
+    """The workload whose activations the engine computes: the 16-bit one where the engine casts the module
+    (`sixteen_bit_module`; the model states are that engine's accounting whatever the precision), else `w`."""
+    return with_changes(w, precision=w.compute_dtype) if sixteen_bit_module(w, layout) else w
 
 
 def precision_note(w: Workload, layout: Layout) -> str:
     """Which precision a per-GPU figure assumes, in the words of the engine that runs it."""
+    if layout.engine == "megatron" and w.mixed:
+        optimizer = ("sharded by its distributed optimizer" if layout.sharding == "zero1" else
+                     "whole on every GPU (no --use-distributed-optimizer)")
+        gradients = "an fp32 gradient buffer" if w.compute_dtype == "bf16" else f"{w.compute_dtype} gradients"
+        return (f"precision as Megatron-LM's --{w.compute_dtype} runs {w.precision}: {w.compute_dtype} weights and "
+                f"activations, {gradients}, fp32 main weights and optimizer state {optimizer}")
     if deepspeed_16bit_mode(w, layout) and layout.tp == layout.pp == 1:
         return (f"precision as DeepSpeed's {w.compute_dtype} mode runs {w.precision}: {w.compute_dtype} weights, "
                 f"gradients and activations, fp32 master weights and optimizer state inside the ZeRO optimizer")

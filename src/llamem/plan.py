@@ -38,6 +38,7 @@ from llamem.errors import DoesNotFit, InvalidWorkload, UsageError
 from llamem.gpus import GPU
 from llamem.model import ModelSpec
 from llamem.overhead import non_torch_bytes
+from llamem.megatron import megatron_problems
 from llamem.parallel import (IN_BACKWARD_ONE_GPU, Layout, check_layout, expert_parallel_variants, fsdp2_problems,
                              host_bytes, per_gpu_phases, shard_spec, with_engine)
 from llamem.techniques import (BY_NAME, LADDER_ORDER, LAYOUT_REASON, LAYOUT_TITLE, PREFILL_CHUNKS,
@@ -69,9 +70,7 @@ ENGINES = ("any", "fsdp2", "deepspeed", "accelerate", "trainer", "megatron")
 writes them (`llamem.bundle.emit.choose`): fsdp2 (torchrun) runs one GPU, DDP and ZeRO-3 as FSDP2,
 sized by FSDP2's own accounting; deepspeed runs ZeRO-1/2/3 with or without offload; accelerate and
 the Trainer drive both; megatron (Megatron-LM) runs tensor and pipeline parallelism with its
-distributed optimizer (ZeRO-1) or none, as arguments only."""
-MEGATRON_PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
-"""What Megatron-LM's --bf16 / --fp16 (fp32 main weights and gradients) and its default run."""
+distributed optimizer (ZeRO-1) or none, as arguments only, sized as it runs (`llamem.megatron`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,7 +240,7 @@ def layout_args(layout: Layout) -> list[str]:
         parts += [f"--pp-schedule {layout.pipeline_schedule}"] if layout.pipeline_schedule != "1f1b" else []
     parts.append(f"--sharding {layout.sharding}")
     parts += [f"--offload {layout.offload}"] if layout.offload != "none" else []
-    parts += ["--engine fsdp2"] if layout.engine == "fsdp2" else []
+    parts += [f"--engine {layout.engine}"] if layout.engine != "deepspeed" else []
     parts += [f"--ep {layout.ep}"] if layout.ep > 1 else []
     return parts
 
@@ -283,23 +282,9 @@ def engine_layout(engine: str, layout: Layout, w: Workload) -> Layout | None:
     if engine in ("fsdp2", "accelerate", "trainer") and layout.sharding == "zero3" and layout.offload == "none":
         problems = fsdp2_problems(w, tp=layout.tp, pp=layout.pp, sharding=layout.sharding, offload=layout.offload)
         return None if problems else with_engine(layout, "fsdp2")
-    if engine == "megatron" and megatron_problems(w):
-        return None
+    if engine == "megatron":
+        return None if megatron_problems(w) else with_engine(layout, "megatron")
     return layout
-
-
-def megatron_problems(w: Workload) -> list[str]:
-    """What Megatron-LM's arguments cannot express of a workload, each with the setting to change."""
-    problems = []
-    if w.task != "train":
-        problems.append(f"--engine megatron plans full training (--task train), not --task {w.task}")
-    if w.optimizer not in ("adamw", "sgd"):
-        problems.append(f"Megatron-LM runs adam and sgd, not {w.optimizer}")
-    if w.precision not in MEGATRON_PRECISIONS:
-        problems.append(f"Megatron-LM keeps fp32 main weights: --precision {', '.join(MEGATRON_PRECISIONS)}")
-    if w.quant != "none" or w.loss != "full":
-        problems.append("Megatron-LM has no quantized base or chunked loss argument")
-    return problems
 
 
 def _shardings(w: Workload, dp: int) -> list[tuple[str, str]]:
@@ -765,7 +750,9 @@ def _layout_step(current: Workload, layout: Layout, target: Layout):
         current = dataclasses.replace(current, batch=micro, grad_accum=share // micro)
     elif not current.is_training and current.batch * layout.dp % target.dp == 0:
         current = dataclasses.replace(current, batch=current.batch * layout.dp // target.dp)
-    return current, target, LAYOUT_TITLE, target.describe(), LAYOUT_REASON
+    # A pipeline's micro-batches are the accumulation steps (`ladder` sizes it so): say so in the step's change.
+    shown = dataclasses.replace(target, microbatches=current.grad_accum) if target.pp > 1 else target
+    return current, target, LAYOUT_TITLE, shown.describe(), LAYOUT_REASON
 
 
 # The plan ---------------------------------------------------------------------------------------
@@ -949,7 +936,9 @@ def _capped(space: Space, w: Workload, plan: Plan) -> Plan:
 
 def _engine_notes(engine: str) -> list[str]:
     if engine == "megatron":
-        return ["llamem sizes Megatron-LM with its own tensor/pipeline-parallel accounting and emits Megatron-LM "
+        return ["llamem sizes Megatron-LM's model states as it holds them (16-bit weights, fp32 gradient buffer "
+                "and main weights, llamem.megatron) and its activations as transformers' Llama layers make them in "
+                "16 bits (Megatron's fused kernels and sequence parallelism may keep less); it emits Megatron-LM "
                 "arguments only (no launch bundle): pass them to pretrain_gpt.py with your model's architecture "
                 "arguments"]
     if engine in ("accelerate", "trainer"):

@@ -1,4 +1,4 @@
-"""The code that applies a plan with transformers, peft and (for several GPUs) DeepSpeed.
+"""The code that applies a plan with transformers, peft and (for several GPUs) DeepSpeed, or Megatron-LM's launch.
 
 Text only (the core stays torch-free): the plan's final configuration as the `from_pretrained`,
 peft, `TrainingArguments` or `generate` settings a Hugging Face user writes. Each setting's part
@@ -16,7 +16,10 @@ from llamem.techniques import Code, workload_code
 
 
 def plan_code(plan: Plan, model_id: str | None = None) -> str:
-    """Python that loads the model and runs the plan's final configuration."""
+    """Python that loads the model and runs the plan's final configuration (under `--engine megatron`, the
+    Megatron-LM launch line instead)."""
+    if plan.megatron_args:
+        return _megatron_launch(plan)
     w = plan.final.workload
     code = workload_code(w)
     _add_truncation(plan, code)
@@ -92,12 +95,28 @@ def _deepspeed(plan: Plan) -> str:
             '"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}')
 
 
+def _nodes(plan: Plan) -> tuple[int, int]:
+    """(nodes, processes per node) of the plan's GPUs."""
+    per_node = min(plan.final.layout.num_gpus, plan.gpu.gpus_per_node)
+    return -(-plan.final.layout.num_gpus // per_node), per_node
+
+
+def _megatron_launch(plan: Plan) -> str:
+    """Megatron-LM's launch of the plan: its arguments, the model's architecture left to the user."""
+    nodes, per_node = _nodes(plan)
+    lines = ["# Megatron-LM runs this plan: from a Megatron-LM checkout, add your model's architecture, tokenizer and",
+             "# data arguments (its examples/llama show them for Llama); several nodes also need --node-rank and",
+             "# --master-addr.",
+             f"torchrun --nnodes {nodes} --nproc-per-node {per_node} pretrain_gpt.py \\"]
+    lines += [f"    {argument} \\" for argument in plan.megatron_args[:-1]] + [f"    {plan.megatron_args[-1]}"]
+    return "\n".join(lines) + "\n"
+
+
 def _launch_lines(plan: Plan) -> list[str]:
     layout = plan.final.layout
     lines = []
     if layout.num_gpus > 1:
-        per_node = min(layout.num_gpus, plan.gpu.gpus_per_node)
-        nodes = -(-layout.num_gpus // per_node)
+        nodes, per_node = _nodes(plan)
         wrapper = ("FSDP2 with the fsdp_config above" if layout.engine == "fsdp2" else
                    f"DeepSpeed ZeRO-{layout.sharding[-1]} above" if layout.sharding.startswith("zero") else "DDP")
         lines.append(f"# Launch on {layout.num_gpus} GPUs: torchrun --nnodes {nodes} --nproc_per_node {per_node} "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llamem.allocator.config import AllocatorConfig
+from llamem.allocator.lean import CardReplays, SimulatedReplays, card_peak
 from llamem.allocator.restore import resolve_start, restore_start
 from llamem.allocator.simulator import Block, CachingAllocatorSim, SimulatedOOM
 from llamem.allocator.trace_input import AllocEvent, TraceFormatError
@@ -236,7 +237,12 @@ class SmallestCardSearch:
 
     The replays and their order depend on the events only, so stopping early (`settle_within`) and
     resuming later reach the same answer as running through: `high` is always the smallest
-    capacity seen to work, an upper bound on the answer, and is the answer when `done`."""
+    capacity seen to work, an upper bound on the answer, and is the answer when `done`. Each card
+    is answered by `lean.CardReplays`: resumed from a saved state of the unlimited replay, or not
+    replayed at all where an earlier replay already decides it, with the same answer either way."""
+
+    replays = CardReplays
+    """What answers each card (`lean.SimulatedReplays`: the same answers from whole simulator replays)."""
 
     def __init__(self, events: list[AllocEvent]):
         self.events = events
@@ -245,13 +251,16 @@ class SmallestCardSearch:
         self.high: int | None = None
         self.precision = max(self.allocated // SEARCH_PRECISION, 1)
         self.done = False
+        self._replays: CardReplays | SimulatedReplays | None = None
         self._steps = self._search()
 
     def _runs(self, capacity: int) -> bool:
-        return runs_on_card(self.events, capacity) is not None
+        return self._replays.peak_on(capacity) is not None
 
     def _search(self):
-        self.high = runs_on_card(self.events, None)
+        # No card asked about is below the allocated peak: the replays resume from there (`CardReplays`).
+        self._replays = self.replays(self.events, self.allocated)
+        self.high = self._replays.unlimited_peak
         if self.high is None:  # a request beyond what any allocator can address (2**64 bytes)
             raise LlamemError("a single allocation of this workload exceeds 16 EiB, more than any allocator "
                               "addresses: check the model's sizes and the workload's batch and sequence")
@@ -260,6 +269,7 @@ class SmallestCardSearch:
         if self.high - self.low <= self.precision or (not far and not self._runs(self.high - self.precision)):
             return
         self.high -= self.precision
+        untested = self.high if far else None  # far: taken as running until something below it does
         yield
         step = self.precision
         while far and self.low + step < self.high:
@@ -278,10 +288,13 @@ class SmallestCardSearch:
             else:
                 self.low = mid
             yield
+        if self.high == untested and not self._runs(self.high):  # nothing below ran, nor does it: the bound does
+            self.high += self.precision
 
     def step(self) -> None:
         if not self.done and next(self._steps, StopIteration) is StopIteration:
-            self.done, self.events = True, []  # the answer is known: the events are no longer needed
+            # The answer is known: the events and the replays' saved states are no longer needed.
+            self.done, self.events, self._replays = True, [], None
 
     def finish(self) -> None:
         while not self.done:
@@ -293,6 +306,8 @@ class SmallestCardSearch:
             self.step()
         while not self.done and self.high > bound:
             self.step()
+        if not self.done:  # paused, perhaps for good: keep the history, not the compiled events and states
+            self._replays.release()
         return self.high <= bound
 
 
@@ -313,22 +328,5 @@ def peak_allocated_bytes(events: list[AllocEvent]) -> int:
 def runs_on_card(events: list[AllocEvent], capacity_bytes: int | None, config: AllocatorConfig | None = None) -> int | None:
     """Peak reserved bytes when these allocations replay on a card where cudaMalloc can get
     `capacity_bytes` (None: without limit), or None if they run out of memory there. The same
-    decisions as `replay`, without its statistics (`LeanAllocatorSim`)."""
-    from llamem.allocator.simulator import LeanAllocatorSim
-
-    sim = LeanAllocatorSim(config, capacity_bytes=capacity_bytes)
-    live: dict[int, Block] = {}
-    peak = 0
-    try:
-        for event in events:
-            if event.action == "alloc":
-                live[event.addr] = sim.malloc(event.size, event.stream)
-                if sim.total_allocated > peak:
-                    peak = sim.total_allocated
-            else:
-                block = live.pop(event.addr, None)
-                if block is not None:
-                    sim.free(block)
-    except SimulatedOOM:
-        return None
-    return peak
+    decisions as `replay`, without its statistics (`llamem.allocator.lean`)."""
+    return card_peak(events, capacity_bytes, config)

@@ -215,7 +215,8 @@ class CachingAllocatorSim:
             return LARGE_BUFFER
         return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
 
-    def _allocation_size(self, size: int) -> int:
+    def segment_size(self, size: int) -> int:
+        """c10's get_allocation_size: the cudaMalloc for a rounded request that no cached block serves."""
         if SMALL_SIZE < size < MIN_LARGE_ALLOC:
             return self.config.large_segment_bytes
         return self.allocation_size(size)
@@ -253,7 +254,7 @@ class CachingAllocatorSim:
     def malloc(self, orig_size: int, stream: int = 0) -> Block:
         size = self.round_size(orig_size)
         pool = self.small if size <= SMALL_SIZE else self.large
-        alloc_size = self._allocation_size(size)
+        alloc_size = self.segment_size(size)
         block = self._get_free_block(pool, size, stream)
         if block is None:
             if self.set_fraction and self.config.garbage_collection_threshold > 0:

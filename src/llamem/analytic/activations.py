@@ -23,7 +23,9 @@ width, e the compute dtype's bytes:
   its policy's matmul and attention outputs, `selective.py`); its full set comes back during its
   backward (one layer at a time; `backward.py`).
 - Model-level tensors alive through the step: RoPE's cos and sin, the final norm's saved
-  tensors and its output, with checkpointing the materialised causal mask.
+  tensors and its output; with checkpointing the position ids and, where a step without a cache
+  materialises it (`attention_paths.uncached_mask`, a sliding window), the causal mask. A plain
+  batch gets none: transformers finds no packed sequences and SDPA runs causal.
 
 Liger's kernels (`--liger`: RMSNorm keeps X and rstd, SwiGLU gate and up, RoPE in place) and
 flash_attention_2 (`attention_paths.py`) are sized where they change a part. Not included:
@@ -35,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from llamem.analytic.attention_paths import flash_saved_bytes, masked_cache_bytes, sdpa_masked
+from llamem.analytic.attention_paths import flash_saved_bytes, masked_cache_bytes, sdpa_masked, uncached_mask
 from llamem.analytic.common import r512, trains_base_weights
 from llamem.analytic.kv_cache import training_cache_bytes
 from llamem.analytic import llama4
@@ -177,13 +179,13 @@ def _attention_saved(spec: ModelSpec, workload: Workload) -> int:
 
 def _sdpa_saved(spec: ModelSpec, workload: Workload) -> int:
     """q and the output (ae T q each), k and v (ae T kv each), the fp32 logsumexp 4 b heads s.
-    Without a KV cache (checkpointing turns it off) transformers passes a materialised causal
-    mask, so SDPA cannot run GQA natively: K and V are repeated to every query head, and SDPA
-    keeps the mask converted to the compute dtype (ae b s^2)."""
+    When transformers passes a materialised mask (`uncached_mask`, padding, a sliding window), SDPA
+    cannot run GQA natively: K and V are repeated to every query head, and SDPA keeps the mask
+    converted to the compute dtype (ae b s^2)."""
     b, s = workload.batch, workload.seq
     T, q = b * s, spec.q_dim
     ae = 2 if workload.mixed else compute_bytes(workload)
-    masked = workload.ac_every > 0 or sliding_masks(spec, workload) or sdpa_masked(workload)
+    masked = uncached_mask(workload) or sliding_masks(spec, workload) or sdpa_masked(workload)
     k_dim = q if (masked and spec.gqa_groups > 1) else spec.kv_dim
     saved = r512(ae * T * q) + 2 * r512(ae * T * k_dim) + r512(ae * T * q) + r512(4 * b * spec.num_heads * s)
     return saved + (r512(ae * b * s * s) if masked else 0)
@@ -348,7 +350,7 @@ def checkpointed_layer_held_bytes(spec: ModelSpec, workload: Workload, index: in
             held += stream + selective_kept_bytes(spec, workload)
         else:
             held += sum(layer_saved_bytes(spec, workload, below).values())
-    return held + 3 * stream + rope_bytes(spec, workload) + checkpoint_mask_bytes(workload)
+    return held + 3 * stream + rope_bytes(spec, workload) + checkpoint_mask_bytes(workload, spec)
 
 
 def rope_bytes(spec: ModelSpec, workload: Workload) -> int:
@@ -359,14 +361,19 @@ def rope_bytes(spec: ModelSpec, workload: Workload) -> int:
     return 2 * r512(workload.seq * spec.head_dim * (4 if workload.mixed else compute_bytes(workload)))
 
 
-def checkpoint_mask_bytes(workload: Workload) -> int:
-    """With checkpointing (no cache) transformers materialises a bool causal mask (b, 1, s, s); the
-    checkpoints keep it, and the position ids (8 s), until their layer's backward."""
+def checkpoint_mask_bytes(workload: Workload, spec: ModelSpec | None = None) -> int:
+    """The checkpoints keep their layers' inputs until their backward: the position ids (8 s) and, when
+    checkpointing (no cache) materialises it (`uncached_mask`), the bool causal mask (b, 1, s, s); else
+    a sliding window shorter than the sequence (with `spec`) its bool mask, one for the whole batch."""
     if not workload.ac_every:
         return 0
-    # flash_attention_2 gets no 4-D mask; packed position ids are an input, counted there
-    mask = 0 if workload.attn == "flash_attention_2" else r512(workload.batch * workload.seq * workload.seq)
-    return mask + (0 if workload.padding_free else r512(8 * workload.seq))
+    positions = 0 if workload.padding_free else r512(8 * workload.seq)  # packed ones are an input, counted there
+    if workload.attn == "flash_attention_2":  # no 4-D mask
+        return positions
+    if uncached_mask(workload):
+        return r512(workload.batch * workload.seq * workload.seq) + positions
+    sliding = spec is not None and sliding_masks(spec, workload)
+    return positions + (r512(workload.seq * workload.seq) if sliding else 0)
 
 
 def _final_norm_saved_bytes(spec: ModelSpec, workload: Workload) -> int:
@@ -401,7 +408,7 @@ class TrainingActivations:
 def training_activations(spec: ModelSpec, workload: Workload, distill: bool = False) -> TrainingActivations:
     layers = (layer_saved_bytes(spec, workload, 0), layer_saved_bytes(spec, workload, 1))
     saved = (sum(model_saved_bytes(spec, workload, layers).values()) + rope_bytes(spec, workload)
-             + _final_norm_saved_bytes(spec, workload) + checkpoint_mask_bytes(workload)
+             + _final_norm_saved_bytes(spec, workload) + checkpoint_mask_bytes(workload, spec)
              + llama4.extra_mask_bytes(spec, workload))
     kept_output = _final_output_kept_bytes(spec, workload)
     output = kept_output if distill else stream_bytes(workload, spec)

@@ -62,7 +62,10 @@ def flash_num_splits(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: i
 
 
 def packed_shape(w: Workload) -> Workload:
-    """A padding-free workload as the model sees it: one row of batch x seq tokens."""
+    """A padding-free workload as the model sees it: one row of batch x seq tokens. A single sequence is
+    not packed (its position ids do not restart): without a cache SDPA gets no mask, as for a plain batch."""
+    if w.padding_free and w.batch == 1 and w.attn == "sdpa" and w.ac_every:
+        return replace(w, padding_free=False)
     return replace(w, batch=1, seq=w.batch * w.seq) if w.padding_free and w.batch > 1 else w
 
 
@@ -70,6 +73,14 @@ def real_tokens(w: Workload) -> int:
     """Tokens that are not padding: batch x seq less the padded share."""
     tokens = w.batch * w.seq
     return tokens - round(w.pad_fraction * tokens) if w.padding == "longest" else tokens
+
+
+def uncached_mask(w: Workload) -> bool:
+    """Whether a step without a cache (checkpointing turns it off) materialises the causal mask.
+    transformers then looks for packed sequences in the position ids: it builds the mask when it finds
+    some (a padding-free batch) or cannot read them (a compiled model), and with padding; otherwise SDPA
+    runs causal without a mask, grouped-query attention natively (K and V not repeated)."""
+    return w.ac_every > 0 and (w.padding_free or w.compile or w.padding == "longest")
 
 
 def sdpa_masked(w: Workload) -> bool:

@@ -37,7 +37,7 @@ def checkpointed_backward_moments(spec: ModelSpec, w: Workload, gradient_total_b
     plain layers with their saved sets and, under autocast, their weight copies."""
     if not w.ac_every:
         return []
-    current = (_current_layer_bytes(spec, w, layer_saved_bytes) + rope_bytes(spec, w) + checkpoint_mask_bytes(w)
+    current = (_current_layer_bytes(spec, w, layer_saved_bytes) + rope_bytes(spec, w) + checkpoint_mask_bytes(w, spec)
                + extra_mask_bytes(spec, w))
     temporaries = _layer_backward_temporaries(spec, w)
     # What each checkpoint keeps: its input and, selective, its policy's outputs.

@@ -40,6 +40,7 @@ the last layer's mixture of experts outweighs it while seq < num_experts x hidde
 
 from __future__ import annotations
 
+from llamem.analytic.attention_paths import uncached_mask
 from llamem.analytic.common import r512
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -83,16 +84,16 @@ def layer_kind(spec: ModelSpec, index: int) -> tuple[bool, bool]:
 
 
 def masked(spec: ModelSpec, w: Workload, index: int) -> bool:
-    """Whether SDPA gets a materialised mask in layer `index`: under checkpointing (no cache), or a chunked
-    layer whose sequence is longer than a chunk."""
+    """Whether SDPA gets a materialised mask in layer `index`: under checkpointing (no cache) when it
+    materialises the mask (`uncached_mask`), or a chunked layer whose sequence is longer than a chunk."""
     size = chunk_size(spec)
-    return w.ac_every > 0 or (is_chunked(spec, index) and size is not None and w.seq > size)
+    return uncached_mask(w) or (is_chunked(spec, index) and size is not None and w.seq > size)
 
 
 def extra_mask_bytes(spec: ModelSpec, w: Workload) -> int:
     """Checkpointing materialises one bool mask (batch, 1, seq, seq) per layer type, chunked and global: the
     second beyond the one `activations.checkpoint_mask_bytes` counts."""
-    if not (is_llama4(spec) and w.ac_every) or w.attn == "flash_attention_2":
+    if not (is_llama4(spec) and uncached_mask(w)) or w.attn == "flash_attention_2":
         return 0
     types = {is_chunked(spec, i) for i in range(spec.num_layers)}
     return (len(types) - 1) * r512(w.batch * w.seq * w.seq)

@@ -182,4 +182,4 @@ def _below(spec: ModelSpec, w: Workload, index: int) -> int:
 
 def _model_level(spec: ModelSpec, w: Workload) -> int:
     """RoPE's freqs_cis, checkpointing's masks and position ids."""
-    return rope_bytes(spec, w) + checkpoint_mask_bytes(w) + llama4.extra_mask_bytes(spec, w)
+    return rope_bytes(spec, w) + checkpoint_mask_bytes(w, spec) + llama4.extra_mask_bytes(spec, w)

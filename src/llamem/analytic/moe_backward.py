@@ -72,7 +72,7 @@ def _activations_at(spec: ModelSpec, w: Workload, index: int, at_gate_up: bool) 
     current = sum(layer_saved_bytes(spec, w, index, moe=True).values()) - moe_consumed_bytes(spec, w, at_gate_up)
     if is_checkpointed(w, index) and not (w.mixed or compute_bytes(w) == 4):
         current += stream_bytes(w, spec)
-    return current + _below(spec, w, index) + rope_bytes(spec, w) + checkpoint_mask_bytes(w)
+    return current + _below(spec, w, index) + rope_bytes(spec, w) + checkpoint_mask_bytes(w, spec)
 
 
 def _below(spec: ModelSpec, w: Workload, index: int) -> int:

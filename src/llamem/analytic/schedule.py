@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from llamem.allocator.replay import AllocEvent
 from llamem.analytic import activations as act
+from llamem.analytic.attention_paths import uncached_mask
 from llamem.analytic.common import r512, trains_base_weights
 from llamem.analytic.kv_cache import kv_layer_tensor_bytes, stored_tokens
 from llamem.analytic.optimizer import BNB_BLOCK, BNB_MIN_8BIT_SIZE, adafactor_state_tensors, has_step_temporaries
@@ -301,15 +302,18 @@ def _fp32_stream(w: Workload) -> bool:
 
 
 def _step_inputs(ev: Events, spec: ModelSpec, w: Workload) -> tuple[list[int], int]:
-    """Input ids, the embedding output; with checkpointing (no cache) also the materialised causal
-    mask and the positions. Returns (what dies at the end of the step, the embedding output)."""
+    """Input ids, the embedding output; with checkpointing (no cache) the positions (the checkpoints
+    keep them) and, when it materialises the causal mask (`uncached_mask`), the mask. Returns (what
+    dies at the end of the step, the embedding output)."""
     step_inputs = ev.alloc([r512(8 * w.batch * w.seq)])  # input ids
     ev.mark("forward", "embed")
     embeds = ev.alloc([_stream_bytes(spec, w)])[0]
     ev.projection("embed", embeds)
     ev.mark("forward_done", "embed")
+    if uncached_mask(w):
+        step_inputs += _causal_mask(ev, r512(w.batch * w.seq * w.seq))
     if w.ac_every:
-        step_inputs += _causal_mask(ev, r512(w.batch * w.seq * w.seq)) + ev.alloc([r512(8 * w.seq)])  # positions
+        step_inputs += ev.alloc([r512(8 * w.seq)])  # positions
     return step_inputs, embeds
 
 

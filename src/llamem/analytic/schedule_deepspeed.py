@@ -16,6 +16,13 @@ file), `deepspeed/runtime/engine.py` and `runtime/zero/stage_1_and_2.py`:
   (every parameter that overlaps the partition, whole, in the 16-bit dtype), which the step frees. ZeRO-1
   (partition_gradients off, overlap_comm off) makes the bucket at the first hook too, but keeps every gradient
   until the end of backward, where `reduce_gradients` reduces them parameter by parameter in module order.
+- Accumulation (gradient_accumulation_steps > 1; the engine divides the loss, `step()` acts at the boundary only):
+  ZeRO-2 reduces in every backward, and its epilogue keeps the first micro-batch's `grads_in_partition` to the
+  step (`all_grad_tensors`: views of it), lets go of `grads_in_partition` and the bucket, and frees the 16-bit
+  gradients; a later micro-batch's first hook makes a new bucket, its reduction a new `grads_in_partition`, which
+  its epilogue adds into the first's and frees after the bucket. ZeRO-1 reduces at the boundary only: the bucket
+  its first micro-batch's first hook made lives until the boundary's reduction, and so does every gradient
+  (autograd adds a later micro-batch's into `param.grad` and frees it at once).
 - Step: the gradient norm takes each partition piece's fp64 copy (`get_norm_dtype`) and its norm, one at a time;
   the partition's gradients are concatenated (16-bit) and cast to an fp32 flat gradient (the concatenation freed,
   then `grads_in_partition`); the optimizer steps the fp32 partition (its state made in the first step), the fp32
@@ -23,6 +30,8 @@ file), `deepspeed/runtime/engine.py` and `runtime/zero/stage_1_and_2.py`:
 
 The schedule acts at the points the single-GPU schedule (`llamem.analytic.schedule`) marks, at a unit's
 granularity: a unit's gradients are freed at the end of its backward, where DeepSpeed frees each as its hook runs.
+Each of the single-GPU schedule's steps is one micro-batch here; a step runs the first micro-batch and the last
+(a micro-batch between them allocates and frees as the last does).
 Left out, as smaller than a 512-byte block each and freed at once: the loss scaler's scalars, the overflow check's,
 the gradient norm's combination, and the all-reduce of the parameter that straddles two partitions (one bucket's
 concatenation, freed at once).
@@ -109,41 +118,88 @@ def zero_partition(spec: ModelSpec, world: int, rank: int) -> ZeroPartition:
 
 class ZeroEvents(LiveEvents):
     """A ZeRO-1 or ZeRO-2 rank: the contiguous-gradients bucket, the partition's gradients, the fp32 step (see
-    the module)."""
+    the module). The single-GPU schedule's steps are its micro-batches: `micro_batches` of them make a step."""
 
     def __init__(self, part: ZeroPartition, w: Workload, bucket_numel: int, stage: int, backend: Backend) -> None:
         super().__init__()
         self.part, self.w, self.stage, self.backend = part, w, stage, backend
         self.half = DTYPE_BYTES[w.compute_dtype]
         self.bucket_bytes = r512(self.half * bucket_numel)
+        self.micro_batches, self.micro = micro_batches_per_step(w), 0
         self.unit_grads: dict[int | str, list[int]] = {}
+        self.accumulated: dict[int | str, list[int]] = {}
+        """ZeRO-1: the 16-bit gradients of the step's first micro-batch, which the later ones accumulate into."""
+        self.held: set[int] = set()
+        """Those of them the single-GPU schedule frees at the end of the micro-batch (its `zero_grad`): kept."""
         self.bucket: list[int] = []
         self.in_partition: list[int] = []
+        self.incoming: list[int] = []
+        """ZeRO-2, a later micro-batch: its own `grads_in_partition`, added into the first's."""
+        self.reached_partition = False
+        """Whether this micro-batch's reduction has reached the partition."""
         self.state_made = False
+
+    def free(self, ids: list[int]) -> None:
+        super().free([i for i in ids if i not in self.held])
 
     def mark(self, point: str, unit: int | str | None = None, grads: list[int] | None = None) -> None:
         if point == "backward_done":
             seen = {g for ids in self.unit_grads.values() for g in ids}
             self.unit_grads[unit] = [g for g in grads or [] if g not in seen]
-            if self.unit_grads[unit] and not self.bucket:  # the step's first hook
+            if self.unit_grads[unit] and not self.bucket:  # the first hook (ZeRO-1: of the step)
                 self.bucket = self.alloc([self.bucket_bytes])
             if self.stage == 2:
-                self.reduce(unit)
-            elif unit == "embed":  # ZeRO-1 reduces at the end of backward, parameter by parameter
-                for each in ("embed", *sorted(u for u in self.unit_grads if isinstance(u, int)), "head"):
-                    self.reduce(each)
-            if unit == "embed":
-                self.free(self.bucket)
-                self.bucket = []
+                self.reduce(self.unit_grads[unit], unit)
+            else:
+                self.zero1_backward_done(unit)
+            if unit == "embed" and (self.stage == 2 or self.boundary()):
+                self.free(self.bucket + self.incoming)
+                self.bucket, self.incoming = [], []
         elif point == "zero_grad":
-            self.step()
+            self.micro_batch_done()
 
-    def reduce(self, unit: int | str) -> None:
-        """A unit's gradients reduced: `grads_in_partition` made at the first that reaches the partition, each
-        gradient freed once copied there or into the bucket."""
-        if unit in self.part.owned_units and not self.in_partition:
-            self.in_partition = self.alloc([r512(self.half * sum(self.part.whole_numels))])
-        self.free(self.unit_grads[unit])
+    def boundary(self) -> bool:
+        """Whether this micro-batch is the step's last (`is_gradient_accumulation_boundary`)."""
+        return self.micro == self.micro_batches - 1
+
+    def zero1_backward_done(self, unit: int | str) -> None:
+        """ZeRO-1 (partition_gradients and overlap_comm off) reduces at the boundary only, at the end of backward,
+        parameter by parameter in module order; a later micro-batch's gradients are added into the first's (autograd
+        accumulates into `param.grad`), each freed at once."""
+        if self.micro == 0:
+            self.accumulated[unit] = self.unit_grads[unit]
+            if not self.boundary():
+                self.held.update(self.unit_grads[unit])
+        else:
+            self.free(self.unit_grads[unit])
+        if unit == "embed" and self.boundary():
+            self.held.clear()
+            for each in ("embed", *sorted(u for u in self.accumulated if isinstance(u, int)), "head"):
+                self.reduce(self.accumulated[each], each)
+            self.accumulated.clear()
+
+    def reduce(self, grads: list[int], unit: int | str) -> None:
+        """A unit's gradients reduced: `grads_in_partition` made at the first that reaches the partition (in each
+        micro-batch: a later one's is added into the first's and freed at the end of its backward), each gradient
+        freed once copied there or into the bucket."""
+        if unit in self.part.owned_units and not self.reached_partition:
+            self.reached_partition = True
+            made = self.alloc([r512(self.half * sum(self.part.whole_numels))])
+            if self.in_partition:
+                self.incoming = made
+            else:
+                self.in_partition = made
+        self.free(grads)
+
+    def micro_batch_done(self) -> None:
+        """The end of a micro-batch (`zero_grad` in the single-GPU schedule): the step at the boundary."""
+        if self.boundary():
+            self.step()
+            self.micro = 0
+        else:
+            self.micro += 1
+        self.unit_grads.clear()
+        self.reached_partition = False
 
     def step(self) -> None:
         """The norm's fp64 pieces, the fp32 flat gradient, the optimizer on the fp32 partition (see the module)."""
@@ -167,7 +223,6 @@ class ZeroEvents(LiveEvents):
             root, denom = self.alloc([fp32, fp32])
             self.free([root, denom])
         self.free(grad)
-        self.unit_grads.clear()
 
     def state_tensors(self, fp32: int) -> list[int]:
         """The optimizer's state on the fp32 partition: FusedAdam's without a step tensor on CUDA."""
@@ -201,13 +256,21 @@ def wrap(ev: Events, spec: ModelSpec, w: Workload, part: ZeroPartition, backend:
 def zero_schedule(spec: ModelSpec, w: Workload, world: int, bucket_numel: int, *, stage: int, rank: int = 0,
                   backend: Backend = "nccl") -> list[AllocEvent]:
     """Rank `rank` of `world` under ZeRO-`stage` (1 or 2) with a reduce bucket of `bucket_numel` elements: two
-    training steps."""
+    training steps, each of `micro_batches_per_step` micro-batches."""
     part = zero_partition(spec, world, rank)
     ev = ZeroEvents(part, w, bucket_numel, stage, backend)
     wrap(ev, spec, w, part, backend)
     compute = with_changes(w, precision=w.compute_dtype)
     grads = trainable_tensor_sizes(spec, compute)  # [embedding, layers..., final norm, lm_head]
-    return training_steps(spec, compute, ev, grads[-2:], grads[:1], [], [])
+    for _pair in range(ev.micro_batches):  # the single-GPU schedule's two steps are two micro-batches here
+        training_steps(spec, compute, ev, grads[-2:], grads[:1], [], [])
+    return ev.events
+
+
+def micro_batches_per_step(w: Workload) -> int:
+    """The micro-batches a step of the schedule runs: the first and the last (the boundary). A micro-batch between
+    them allocates and frees as the last does, short of the step."""
+    return min(w.grad_accum, 2)
 
 
 def zero_rank_schedule(spec: ModelSpec, w: Workload, layout: Layout, backend: Backend = "nccl") -> list[AllocEvent]:

@@ -25,6 +25,14 @@ points where a data-parallel engine acts (`Events.mark`). A rank's events act th
   reshards, frees the previous reduce-scatter input, makes its own (fp32, flat), releases its unsharded
   gradients but the last (the loop variable holds it) and makes the reduce-scatter output, whose views
   are the sharded gradients until `zero_grad`.
+  Tied embeddings: the embedding (the head's weight) and the final norm stay in the root's own unit, gathered
+  from the root's pre-forward to the end of backward (no reshard after the root's forward); the root's
+  pre-backward, at the loss, prefetches the top layer; autograd keeps the head's share of the tied gradient
+  until the embedding's backward adds its own out of place, and the root reduces last.
+  Accumulation: every micro-batch's backward reduce-scatters (the bundle never turns gradient sync off): the
+  first into the sharded gradients, each later one into an output added to them (`_fsdp_collectives.py`
+  `foreach_reduce`) and let go; the optimizer steps after the last. Past the second, a micro-batch allocates
+  as the second does: the schedule replays two a step (`FSDP2_MICROBATCHES`).
 
 CUDA only (`backend="nccl"`, what `llamem estimate` sizes): FSDP2 allocates an all-gather's input and
 output in its all-gather copy-in stream and the reduce-scatter output in its reduce-scatter stream
@@ -53,9 +61,9 @@ all-gather or, in some runs, just after it (then up to one unit's all-gather abo
   own schedule, its micro-batches in 1F1B or GPipe order (`llamem.analytic.schedule_pipeline`).
 
 Other layouts (pipeline stages beyond what `schedule_pipeline.pipeline_schedulable` covers, expert
-parallelism, ZeRO-3 under DeepSpeed, offload, adapters, distillation; tensor parallel with tied embeddings,
-experts or the chunked loss; under FSDP2 and ZeRO-1/2 also tied embeddings, experts, accumulation and the chunked
-loss, and ZeRO-1/2 under fp16 or fp32) replay the single-GPU schedule of the GPU's share
+parallelism, ZeRO-3 under DeepSpeed, offload, adapters, distillation, Megatron-LM; tensor parallel with tied embeddings,
+experts or the chunked loss; under FSDP2 experts and the chunked loss; under ZeRO-1/2 also tied embeddings,
+experts, the chunked loss, fp16 and fp32) replay the single-GPU schedule of the GPU's share
 (`rank_schedule_kind` says which; the report's notes say so).
 """
 
@@ -66,6 +74,7 @@ from typing import Literal
 
 from llamem.allocator.replay import AllocEvent
 from llamem.analytic.common import r512
+from llamem.analytic.optimizer import has_step_temporaries
 from llamem.analytic.schedule import (Events, LiveEvents, optimizer_state_tensors, training_schedule,
                                      training_steps)
 from llamem.analytic.schedule_deepspeed import zero_rank_schedule
@@ -73,7 +82,7 @@ from llamem.analytic.schedule_pipeline import pipeline_schedulable, pipeline_sta
 from llamem.analytic.weights import rope_buffer_bytes, trainable_numels, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
-from llamem.parallel import Layout
+from llamem.parallel import Layout, fsdp2_layer_shapes
 from llamem.workload import Workload, with_changes
 
 Backend = Literal["nccl", "gloo"]
@@ -94,6 +103,8 @@ BROADCAST_BUFFER_BYTES = 250 << 20
 def rank_schedule_kind(spec: ModelSpec, w: Workload, layout: Layout) -> str | None:
     """"ddp", "fsdp2", "tp", "zero1" or "zero2" (`llamem.analytic.schedule_deepspeed`) where a rank's own schedule
     is built, None where the GPU's share replays the single-GPU schedule."""
+    if layout.engine == "megatron":  # Megatron-LM's own buffers and kernels: the GPU's share replays
+        return None
     if layout.pp > 1:  # one stage per GPU: its own schedule (`llamem.analytic.schedule_pipeline`)
         return "pipeline" if pipeline_schedulable(spec, w, layout) else None
     if (layout.num_gpus == 1 or layout.ep != 1 or layout.offload != "none"
@@ -104,12 +115,11 @@ def rank_schedule_kind(spec: ModelSpec, w: Workload, layout: Layout) -> str | No
         return "tp" if plain and layout.sharding in ("none", "ddp") else None
     if layout.sharding == "ddp":
         return "ddp"
-    if (layout.sharding == "zero3" and layout.engine == "fsdp2" and not spec.tie_word_embeddings
-            and not spec.is_moe and w.grad_accum == 1 and w.loss != "chunked"
+    if (layout.sharding == "zero3" and layout.engine == "fsdp2" and not spec.is_moe and w.loss != "chunked"
             and w.optimizer in ("adamw", "adamw-fused", "sgd")):
         return "fsdp2"
     if (layout.sharding in ("zero1", "zero2") and layout.engine == "deepspeed" and not spec.tie_word_embeddings
-            and not spec.is_moe and w.grad_accum == 1 and w.loss != "chunked" and w.compute_dtype == "bf16"
+            and not spec.is_moe and w.loss != "chunked" and w.compute_dtype == "bf16"
             and w.optimizer in ("adamw", "adamw-fused", "adamw-loop", "sgd")):
         return layout.sharding
     return None
@@ -248,6 +258,12 @@ def tp_schedule(spec: ModelSpec, w: Workload, layout: Layout) -> list[AllocEvent
 
 
 # FSDP2 ----------------------------------------------------------------------------------------------
+FSDP2_MICROBATCHES = 2
+"""Micro-batches a step replays with accumulation: past the second, each repeats the second's allocations (the
+sharded gradients are there; each reduce-scatter output is added into them and let go), so more would only
+lengthen the schedule."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Fsdp2Sizes:
     """One `fully_shard` unit's tensors on one rank of N (each rounded to 512 bytes as the allocator does)."""
@@ -280,30 +296,67 @@ def fsdp2_sizes(shapes: list[tuple[int, int]], w: Workload, world: int) -> Fsdp2
 
 
 def fsdp2_unit_sizes(spec: ModelSpec, w: Workload, world: int) -> dict[int | str, Fsdp2Sizes]:
-    """The bundle's units: "embed", each layer by index, "head" (final norm and lm_head), in module order."""
-    h = spec.hidden_size
-    layer = [(fan_out, fan_in) for fan_in, fan_out in spec.layer_linear_shapes().values()] + [(h, 1), (h, 1)]
-    units: dict[int | str, Fsdp2Sizes] = {"embed": fsdp2_sizes([(spec.vocab_size, h)], w, world)}
-    units.update({index: fsdp2_sizes(layer, w, world) for index in range(spec.num_layers)})
-    units["head"] = fsdp2_sizes([(h, 1), (spec.vocab_size, h)], w, world)
-    return units
+    """The bundle's units in the order it shards them: "embed", each layer by index, "head" (final norm and
+    lm_head); with tied embeddings each layer, then the root's own unit "embed" (the embedding, which is the
+    head's weight, and the final norm), and no "head"."""
+    h, embedding = spec.hidden_size, [(spec.vocab_size, spec.hidden_size)]
+    layer = fsdp2_sizes(fsdp2_layer_shapes(spec), w, world)
+    layers: dict[int | str, Fsdp2Sizes] = dict.fromkeys(range(spec.num_layers), layer)
+    if spec.tie_word_embeddings:
+        return {**layers, "embed": fsdp2_sizes([*embedding, (h, 1)], w, world)}
+    return {"embed": fsdp2_sizes(embedding, w, world), **layers, "head": fsdp2_sizes([(h, 1), *embedding], w, world)}
+
+
+def fsdp2_parameter_shards(spec: ModelSpec, units: dict[int | str, Fsdp2Sizes]) -> list[int]:
+    """Each parameter's shard in module order, the optimizer's: the embedding, each layer's, the final norm and
+    (untied) lm_head."""
+    layers = [size for index in range(spec.num_layers) for size in units[index].shards_bytes]
+    embed = list(units["embed"].shards_bytes)
+    if "head" in units:
+        return [*embed, *layers, *units["head"].shards_bytes]
+    return [embed[0], *layers, *embed[1:]]
 
 
 class Fsdp2Events(LiveEvents):
-    """An FSDP2 rank: its units' all-gathers, reshards and reduce-scatters at the schedule's marks."""
+    """An FSDP2 rank: its units' all-gathers, reshards and reduce-scatters at the schedule's marks. The optimizer
+    steps after a step's last micro-batch only: its state (made at the first step) and its foreach temporaries
+    are made here, at that micro-batch's zero_grad mark."""
 
-    def __init__(self, units: dict[int | str, Fsdp2Sizes], backend: Backend) -> None:
+    def __init__(self, units: dict[int | str, Fsdp2Sizes], backend: Backend, *, microbatches: int = 1,
+                 state: tuple[int, ...] = (), temporaries: tuple[int, ...] = (), tied_grad_bytes: int = 0) -> None:
+        """`microbatches`: a step's; `state`: the optimizer's tensors, made at the first step; `temporaries`: its
+        foreach temporaries; `tied_grad_bytes`: a tied weight's unsharded gradient."""
         super().__init__()
         self.units, self.backend = units, backend
-        self.backward_order = ["head", *sorted((u for u in units if isinstance(u, int)), reverse=True), "embed"]
+        self.tied = "head" not in units
+        self.held = "embed" if self.tied else "head"
+        """The unit gathered from its forward into its backward: the root's own, or the head (no reshard)."""
+        layers = sorted((u for u in units if isinstance(u, int)), reverse=True)
+        self.backward_order = [*([] if self.tied else ["head"]), *layers, "embed"]
+        self.microbatches, self.made = microbatches, 0
+        self.state, self.temporaries, self.tied_grad_bytes = list(state), list(temporaries), tied_grad_bytes
         self.gathered: dict[int | str, list[int]] = {}
         self.outputs: dict[int | str, list[int]] = {}
         self.last_output: list[int] = []
         self.rs_input: list[int] = []
-        self.grad_shards: list[int] = []
+        self.grad_shards: dict[int | str, list[int]] = {}
+        self.root_grads: list[int] = []
+        """Tied: the root's unsharded gradients made before its reduce (the head's weight, the final norm's)."""
 
     def mark(self, point: str, unit: int | str | None = None, grads: list[int] | None = None) -> None:
-        if point == "forward":
+        if point == "step":
+            self.made += 1
+        elif point.startswith("forward"):
+            self.forward_mark(point, unit)
+        elif point == "backward" and unit in self.units:
+            self.pre_backward(unit)
+        elif point == "backward_done":
+            self.post_backward(unit, grads or [])
+        elif point == "zero_grad":
+            self.optimizer_step()
+
+    def forward_mark(self, point: str, unit: int | str | None) -> None:
+        if point == "forward" and unit in self.units:
             self.all_gather(unit)
             self.copy_out(unit)
             self.free(self.last_output)
@@ -311,15 +364,14 @@ class Fsdp2Events(LiveEvents):
         elif point == "forward_done" and unit == "model":  # the root's post-forward, after the loss
             self.free(self.last_output)
             self.last_output = []
-        elif point == "forward_done" and unit != "head":
+            if self.backward_order[0] != self.held:  # tied: the root's pre-backward, at the loss's, prefetches
+                self.all_gather(self.backward_order[0])  # the top layer
+        elif point == "forward_done" and unit in self.units and unit != self.held:
             self.free(self.gathered.pop(unit))
-        elif point == "backward":
-            self.pre_backward(unit)
-        elif point == "backward_done":
-            self.reduce_scatter(unit, grads or [])
-        elif point == "zero_grad":
-            self.free(self.grad_shards)
-            self.grad_shards = []
+
+    def projection(self, name: str, tensor: int, backward: bool = False) -> None:
+        if self.tied and backward and name == "lm_head":  # the head's share of the tied weight's gradient
+            self.root_grads += self.alloc([self.tied_grad_bytes])
 
     def stream(self, stream: int) -> int:
         """FSDP2's own stream on CUDA; the one stream on CPU."""
@@ -335,40 +387,74 @@ class Fsdp2Events(LiveEvents):
         self.gathered[unit] = self.alloc(list(self.units[unit].gathered_bytes))
 
     def pre_backward(self, unit: int | str) -> None:
-        """The head is still gathered; any other unit copies its parameters out of the prefetched output.
-        Then the next unit's all-gather is issued."""
-        if unit != "head":
+        """The held unit is still gathered; any other copies its parameters out of the prefetched output. Then
+        the next unit's all-gather is issued."""
+        if unit != self.held:
             self.copy_out(unit)
             self.free(self.outputs.pop(unit))
-        following = self.backward_order.index(unit) + 1
-        if following < len(self.backward_order):
-            self.all_gather(self.backward_order[following])
+        following = self.backward_order[self.backward_order.index(unit) + 1:][:1]
+        if following and following[0] != self.held:
+            self.all_gather(following[0])
+
+    def post_backward(self, unit: int | str | None, grads: list[int]) -> None:
+        """A unit's gradients made: reduced. Tied, the root's wait for the embedding's backward, which adds its
+        gradient to the head's out of place; the root's gradients are the tied weight's, then the final norm's."""
+        if not self.tied:
+            self.reduce_scatter(unit, grads)
+        elif unit == "head":
+            self.root_grads += grads
+        elif unit != "embed":
+            self.reduce_scatter(unit, [g for g in grads if g not in self.root_grads])
+        else:
+            summed = self.alloc([self.tied_grad_bytes])
+            self.free(self.root_grads[:1] + grads)
+            self.reduce_scatter(unit, summed + self.root_grads[1:])
+            self.root_grads = []
 
     def reduce_scatter(self, unit: int | str, grads: list[int]) -> None:
+        """Resharded, the previous input freed, the unit's own made; its gradients released but the last (the
+        loop variable holds it). A later micro-batch's output is added into the sharded gradients and let go."""
         sizes = self.units[unit]
         self.free(self.gathered.pop(unit) + self.rs_input)  # resharded first (`post_backward`)
         self.rs_input = self.alloc([sizes.rs_input_bytes])
         self.free(grads[:-1])
-        self.grad_shards += self.alloc([sizes.rs_output_bytes], self.stream(REDUCE_SCATTER_STREAM))
+        output = self.alloc([sizes.rs_output_bytes], self.stream(REDUCE_SCATTER_STREAM))
         if self.backend == "gloo":  # gloo reduces a copy of the input
             self.free(self.alloc([sizes.rs_input_bytes]))
         self.free(grads[-1:])
+        if unit in self.grad_shards:
+            self.free(output)
+        else:
+            self.grad_shards[unit] = output
         if unit == "embed":  # the last unit: the root's post-backward lets go of its input
             self.free(self.rs_input)
             self.rs_input = []
 
+    def optimizer_step(self) -> None:
+        """After a step's last micro-batch: the state (first step), the temporaries, then zero_grad."""
+        if self.made % self.microbatches:
+            return
+        self.alloc(self.state)
+        self.state = []
+        self.free(self.alloc(self.temporaries))
+        self.free([tensor for shards in self.grad_shards.values() for tensor in shards])
+        self.grad_shards = {}
+
 
 def fsdp2_schedule(spec: ModelSpec, w: Workload, world: int, backend: Backend = "nccl") -> list[AllocEvent]:
-    """One FSDP2 rank's training steps (see the module): its fp32 shards and RoPE's buffers, the compute
-    dtype's activations, the optimizer on the shards."""
+    """One FSDP2 rank's two optimizer steps, each of its micro-batches (up to `FSDP2_MICROBATCHES`) reduce-
+    scattering (see the module): its fp32 shards and RoPE's buffers, the compute dtype's activations, the
+    optimizer on the shards."""
     units = fsdp2_unit_sizes(spec, w, world)
-    ev = Fsdp2Events(units, backend)
-    ordered = [units["embed"], *(units[i] for i in range(spec.num_layers)), units["head"]]
-    shards = [size for unit in ordered for size in unit.shards_bytes]
-    ev.alloc(shards + [rope_buffer_bytes(spec) // 2] * 2)  # inv_freq, original_inv_freq
     compute = with_changes(w, precision=w.compute_dtype)
-    unsharded = trainable_tensor_sizes(spec, compute)  # [embedding, layers..., final norm, lm_head]
+    unsharded = trainable_tensor_sizes(spec, compute)  # [embedding, layers..., final norm(, lm_head)]
+    shards = fsdp2_parameter_shards(spec, units)
     numels = [size // DTYPE_BYTES[w.weight_dtype] for size in shards]
-    # Module order is the shards' too: embedding, each layer, final norm, lm_head.
-    state = optimizer_state_tensors(w, numels, shards)
-    return training_steps(spec, compute, ev, unsharded[-2:], unsharded[:1], shards, state)
+    ev = Fsdp2Events(units, backend, microbatches=min(w.grad_accum, FSDP2_MICROBATCHES),
+                     state=tuple(optimizer_state_tensors(w, numels, shards)),
+                     temporaries=tuple(shards) if has_step_temporaries(compute) else (), tied_grad_bytes=unsharded[0])
+    ev.alloc([size for unit in units.values() for size in unit.shards_bytes] + [rope_buffer_bytes(spec) // 2] * 2)
+    head = unsharded[-1:] if spec.tie_word_embeddings else unsharded[-2:]
+    for _ in range(ev.microbatches):  # two passes a call: two steps, or with accumulation one step's micro-batches
+        training_steps(spec, compute, ev, head, unsharded[:1], [], [])
+    return ev.events

@@ -12,6 +12,7 @@ Used only to replay through the allocator simulator.
 from __future__ import annotations
 
 from llamem.analytic import activations as act
+from llamem.analytic.attention_paths import uncached_mask
 from llamem.analytic.common import r512
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -144,8 +145,9 @@ class _Stop(Exception):
 def forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, stream_end: list[int]) -> int | None:
     """One decoder layer's forward; returns the output (h2), or None for a recomputation that
     stopped early. Cache copies that live until the end of forward (not saved) go to
-    `stream_end`. Without a cache (checkpointing), SDPA gets the materialised mask, and with
-    grouped-query attention K and V repeated to every head."""
+    `stream_end`. Without a cache (checkpointing), SDPA runs causal on K and V as RoPE and v_proj made
+    them or, when the mask is materialised (`uncached_mask`), gets it, and with grouped-query attention
+    K and V repeated to every head."""
     try:
         return _forward_layer(tape, spec, w, index, stream_end)
     except _Stop:
@@ -255,9 +257,10 @@ def _rope_qk(tape: LayerTape, spec: ModelSpec, w: Workload, q_out: int, k_out: i
 
 def _attention_keys(tape: LayerTape, spec: ModelSpec, w: Workload, attn_rg: bool, k_rot: int, v_out: int,
                     stream_end: list[int]) -> tuple[int, int, int | None]:
-    """(key, value, mask) as SDPA gets them. Without a cache (checkpointing): the materialised mask
-    in the compute dtype and, with grouped-query attention, K and V repeated to every head. With
-    the cache: its K and V (an fp32 K under autocast, alive until the end of forward)."""
+    """(key, value, mask) as SDPA gets them. With the cache: its K and V (an fp32 K under autocast,
+    alive until the end of forward). Without (checkpointing): RoPE's K and v_proj's V, no mask or, when
+    the mask is materialised (`uncached_mask`), it in the compute dtype and, with grouped-query
+    attention, K and V repeated to every head."""
     T, q, kv = w.batch * w.seq, spec.q_dim, spec.kv_dim
     ae = 2 if w.mixed else act.compute_bytes(w)
     rope_bytes = 4 if w.mixed else act.compute_bytes(w)
@@ -266,6 +269,8 @@ def _attention_keys(tape: LayerTape, spec: ModelSpec, w: Workload, attn_rg: bool
         if w.mixed:
             stream_end.append(cache_k)
         return cache_k, cache_v, None
+    if not uncached_mask(w):
+        return k_rot, v_out, None
     key, value = k_rot, v_out
     if spec.gqa_groups > 1:  # repeat_kv: SDPA without a cache gets every head's copy
         key, value = tape.new(rope_bytes * T * q), tape.new(ae * T * q)
@@ -487,10 +492,10 @@ def _attention_backward(tape: LayerTape, spec: ModelSpec, w: Workload, grads: li
 
 def _sdpa_backward(tape: LayerTape, spec: ModelSpec, w: Workload, g_attention: int) -> tuple[int, int, int]:
     """SDPA's gradients of q, k and v; autograd then frees what attention saved. Repeated K and V
-    (no cache, grouped-query attention) are summed back to the key-value heads."""
+    (a materialised mask without a cache, grouped-query attention) are summed back to the key-value heads."""
     T, q, kv = w.batch * w.seq, spec.q_dim, spec.kv_dim
     ae = 2 if w.mixed else act.compute_bytes(w)
-    repeated = q if (w.ac_every and spec.gqa_groups > 1) else kv
+    repeated = q if (uncached_mask(w) and spec.gqa_groups > 1) else kv
     g_q, g_k, g_v = tape.new(ae * T * q), tape.new(ae * T * repeated), tape.new(ae * T * repeated)
     tape.release("attention", "lse", "query", "key", "value", "mask")
     tape.ev.free([g_attention])

@@ -5,7 +5,8 @@ one GPU runs unwrapped; DDP runs torch DistributedDataParallel; ZeRO-3 without o
 FSDP2 `fully_shard` (its full shard is ZeRO-3), except under a LoRA base, whose ZeRO-3 figure is
 DeepSpeed's; ZeRO-1/2 and every offload run DeepSpeed, whose accounting `llamem.parallel` follows.
 Tensor parallel (one replica) runs torch's `parallelize_module`, pipeline parallel (one replica)
-`torch.distributed.pipelining`, both under torchrun. `engine` picks the launcher: torchrun, the
+`torch.distributed.pipelining`, both together (one replica) a ("pp", "tp") device mesh with tensor parallel
+inside each stage, as torchtitan does; all under torchrun. `engine` picks the launcher: torchrun, the
 DeepSpeed launcher, or accelerate (which drives DDP, FSDP2 or DeepSpeed itself). Generation plans get
 generate.py: one GPU, replicas, a device_map (one process; the plan's pipeline stages) or tensor
 parallel.
@@ -13,11 +14,11 @@ parallel.
 A distillation's train.py also builds the frozen teacher (teacher_config.json under `--random-init`) and
 places it as planned (`llamem.teacher_placement`): whole on every rank, or sharded with FSDP2 on its own.
 
-What the bundle cannot run (tensor or pipeline parallelism with data parallelism, both together,
-distillation under model parallelism or beside DeepSpeed with a sharded teacher, sharded quantized
-bases, 8-bit AdamW on shards, settings train.py does not apply) is still written by `emit_bundle`,
-with the reason in README.md and a launch.sh that prints it and exits 1: never a script that runs
-something else. `llamem plan --emit` never gets there: its search keeps
+What the bundle cannot run (tensor or pipeline parallelism with data parallelism, generation with
+both together, distillation under model parallelism or beside DeepSpeed with a sharded teacher,
+sharded quantized bases, 8-bit AdamW on shards, settings train.py does not apply) is still written
+by `emit_bundle`, with the reason in README.md and a launch.sh that prints it and exits 1: never a
+script that runs something else. `llamem plan --emit` never gets there: its search keeps
 only what `bundle_runs` accepts, and `emit_plan` refuses the rest before writing.
 """
 from __future__ import annotations
@@ -324,8 +325,6 @@ MODEL_PARALLEL = {"tp": "tensor parallel", "pp": "pipeline parallel", "tp+pp": "
 def model_parallel_reason(w: Workload, layout: Layout, strategy: str, spec: ModelSpec | None) -> str | None:
     """What the tensor- and pipeline-parallel bundles do not run (yet), each with the change to make."""
     name, instead = MODEL_PARALLEL[strategy], "choose --gpus so the plan uses data parallel / ZeRO"
-    if strategy == "tp+pp":
-        return f"{name} together are not emitted yet: {instead}, or one of the two"
     if layout.dp > 1 or layout.sharding not in ("none", "ddp") or layout.offload != "none":
         return f"{name} bundles run one replica, without data parallel, ZeRO or offload: {instead}"
     if not w.is_training or w.task != "train":
@@ -336,7 +335,7 @@ def model_parallel_reason(w: Workload, layout: Layout, strategy: str, spec: Mode
                 f"{w.precision}{', ' + w.quant if w.quant != 'none' else ''}): {instead}")
     if w.loss != "full":
         return f"{name} bundles compute the loss in one piece, not chunked: {instead}"
-    if strategy == "tp" and spec is not None and spec.num_kv_heads % layout.tp:
+    if strategy in ("tp", "tp+pp") and spec is not None and spec.num_kv_heads % layout.tp:
         return (f"tensor parallel {layout.tp} over {spec.num_kv_heads} KV heads replicates them, which the bundle "
                 f"does not: {instead}, or a degree dividing {spec.num_kv_heads}")
     return None

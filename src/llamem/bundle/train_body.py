@@ -17,7 +17,10 @@ The strategies, as `llamem.parallel` sizes them:
 - tp: tensor parallel with torch's `parallelize_module` (Megatron-style column/row splits of attention and
   MLP, vocabulary-parallel embedding and head, the loss computed on the vocabulary shards);
 - pp: pipeline stages with `torch.distributed.pipelining` (1F1B, or GPipe below as many micro-batches as
-  stages), one stage per process, the accumulation steps as the pipeline's micro-batches.
+  stages), one stage per process, the accumulation steps as the pipeline's micro-batches;
+- tp+pp: both, as torchtitan runs them: a ("pp", "tp") device mesh, tensor parallel over consecutive ranks
+  inside each pipeline stage (the tp plan on the stage's layers, the head's logits sharded over the vocabulary
+  into the pipeline's loss under `loss_parallel`), the stages on the "pp" sub-groups.
 
 Distillation (`PLAN["teacher"]`): `load_teacher`, written above this text, builds the frozen teacher; it is
 placed as planned (whole on every rank, or sharded with FSDP2's `fully_shard` on its own) beside the
@@ -351,6 +354,8 @@ def wrap(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tra
         return wrap_tensor_parallel(plan, module, device, world, tracker)
     if strategy == "pp":
         return wrap_pipeline(plan, module, device, world, tracker)
+    if strategy == "tp+pp":
+        return wrap_tensor_pipeline(plan, module, device, tracker)
     if strategy == "fsdp2":
         run = wrap_fsdp2(plan, module, device, world)
         if tracker is not None:
@@ -546,24 +551,41 @@ class TensorParallelRun(Run):
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def wrap_tensor_parallel(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tracker) -> Run:
-    from torch.distributed.device_mesh import init_device_mesh
+def vocab_parallel_head():
+    """The lm_head's style in training: split over the vocabulary, its logits kept sharded for `loss_parallel`."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
-    mesh = init_device_mesh(device.type, (world,))
-    head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)  # logits kept sharded for the loss
-    # Every rank loaded the same weights (one seed, one checkpoint): each keeps its piece, one parameter at a
-    # time on the GPU (src_data_rank=None: no scatter from rank 0), never the whole model; then the rest moves.
-    parallelize_module(module.model, mesh, tensor_parallel_plan(module.model.config.num_hidden_layers, head),
-                       src_data_rank=None)
-    module.to(device)
-    module.vocab_parallel = True
+    return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+
+
+def shard_tensor_parallel(model, mesh, layout: dict) -> None:
+    """Every rank loaded the same weights (one seed, one checkpoint): each keeps its piece, one parameter at a
+    time on the GPU (src_data_rank=None: no scatter from rank 0), never the whole model."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh, layout, src_data_rank=None)
     gc.collect()  # the whole weights the shards were cut from
-    groups = split_params([p for p in module.parameters() if p.requires_grad])
-    if tracker is not None:  # the replicated norms and the buffers stay the loaded tensors: count them as moved
+
+
+def track_unsharded(tracker, module) -> None:
+    """On CPU the replicated norms and the buffers stay the loaded tensors (`.to()` keeps them): count them as
+    moved to the GPU; the shards were made under the tracker."""
+    if tracker is not None:
         tracker.track([p for p in module.parameters() if not hasattr(p, "to_local")], list(module.buffers()),
                       category="weights")
+
+
+def wrap_tensor_parallel(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tracker) -> Run:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    shard_tensor_parallel(module.model, mesh, tensor_parallel_plan(module.model.config.num_hidden_layers,
+                                                                   vocab_parallel_head()))
+    module.to(device)  # the rest moves whole
+    module.vocab_parallel = True
+    groups = split_params([p for p in module.parameters() if p.requires_grad])
+    track_unsharded(tracker, module)
     optimizer = make_optimizer(plan, [{"params": group} for group in groups])
     return TensorParallelRun(plan, module, optimizer, device, groups)
 
@@ -601,55 +623,114 @@ def stage_bounds(num_layers: int, stages: int, stage: int) -> tuple[int, int]:
 
 
 class PipelineRun(Run):
-    """A step is one schedule run over all the micro-batches (the accumulation steps)."""
+    """A step is one schedule run over all the micro-batches (the accumulation steps). Under tensor parallel inside
+    the stages (`wrap_tensor_pipeline`): `groups` the DTensor and plain parameters apart (`split_params`),
+    `stage_group` the process group of this rank's pipeline (its stages), and the schedule runs under
+    `loss_parallel`, the last stage's logits being sharded over the vocabulary."""
 
-    def __init__(self, plan, module, optimizer, device, schedule, stage: int, stages: int) -> None:
+    def __init__(self, plan, module, optimizer, device, schedule, stage: int, stages: int, *, groups=None,
+                 stage_group=None) -> None:
         super().__init__(plan, module, optimizer, device)
         self.schedule, self.stage, self.stages = schedule, stage, stages
+        self.vocab_parallel = groups is not None
+        self.groups = groups or [self.params]
+        self.stage_group = stage_group if stage_group is not None else dist.group.WORLD
+
+    def loss_context(self):
+        if not self.vocab_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def pipeline_step(self, generator: torch.Generator) -> float:
         plan = self.plan
         ids = torch.randint(0, plan["vocab_size"], (plan["micro_batch"] * plan["grad_accum"], plan["seq"]),
                             generator=generator).to(self.device)
         losses: list = []
-        if self.stage == 0:
-            self.schedule.step(ids)
-        elif self.stage == self.stages - 1:
-            self.schedule.step(target=shifted_labels(ids), losses=losses)
-        else:
-            self.schedule.step()
+        with self.loss_context():
+            if self.stage == 0:
+                self.schedule.step(ids)
+            elif self.stage == self.stages - 1:
+                self.schedule.step(target=shifted_labels(ids), losses=losses)
+            else:
+                self.schedule.step()
+        losses = [loss.full_tensor() if hasattr(loss, "full_tensor") else loss for loss in losses]
         mean = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
-        dist.broadcast(mean, src=self.stages - 1)  # every stage prints the loss
-        if plan["max_grad_norm"]:
-            clip_([self.params], plan["max_grad_norm"], process_group=dist.group.WORLD)
+        dist.broadcast(mean, src=dist.get_world_size() - 1)  # every rank prints the last stage's loss
+        if plan["max_grad_norm"]:  # each stage's squared norm once (its tensor-parallel ranks agree on it)
+            clip_(self.groups, plan["max_grad_norm"], process_group=self.stage_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(mean)
 
 
+def stage_of(plan: dict, model, stage: int, stages: int) -> PipelineStageModule:
+    """Stage `stage` of `stages`: its layers (`stage_bounds`), the embedding on the first, norm and head on the last."""
+    start, stop = stage_bounds(plan["num_layers"], stages, stage)
+    return PipelineStageModule(model, start, stop, first=stage == 0, last=stage == stages - 1, plan=plan)
+
+
+def pipeline_schedule(plan: dict, pipeline_stage, stages: int):
+    """1F1B, which needs as many micro-batches as stages; below that GPipe keeps the same ones in flight."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    one_f_one_b = plan["pipeline_schedule"] == "1f1b" and plan["grad_accum"] >= stages
+    return (Schedule1F1B if one_f_one_b else ScheduleGPipe)(pipeline_stage, n_microbatches=plan["grad_accum"],
+                                                           loss_fn=loss_fn)
+
+
 def wrap_pipeline(plan: dict, module: CausalLMLoss, device: torch.device, world: int, tracker) -> Run:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage
 
     stage = dist.get_rank()
-    start, stop = stage_bounds(plan["num_layers"], world, stage)
-    stage_module = PipelineStageModule(module.model, start, stop, first=stage == 0, last=stage == world - 1,
-                                       plan=plan)
+    stage_module = stage_of(plan, module.model, stage, world)
     del module
     gc.collect()
     if tracker is not None:  # on a GPU the stage's weights are moved to it; on CPU `.to()` keeps them
         tracker.track(stage_module)
     stage_module.to(device)
     pipeline_stage = PipelineStage(stage_module, stage_index=stage, num_stages=world, device=device)
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-
-    # 1F1B needs as many micro-batches as stages; below that GPipe keeps the same ones in flight.
-    one_f_one_b = plan["pipeline_schedule"] == "1f1b" and plan["grad_accum"] >= world
-    schedule = (Schedule1F1B if one_f_one_b else ScheduleGPipe)(pipeline_stage, n_microbatches=plan["grad_accum"],
-                                                               loss_fn=loss_fn)
     optimizer = make_optimizer(plan, [p for p in stage_module.parameters() if p.requires_grad])
-    return PipelineRun(plan, stage_module, optimizer, device, schedule, stage, world)
+    return PipelineRun(plan, stage_module, optimizer, device, pipeline_schedule(plan, pipeline_stage, world), stage,
+                       world)
+
+
+def stage_tensor_parallel_plan(num_layers: int, start: int, stop: int, *, first: bool, last: bool) -> dict:
+    """`tensor_parallel_plan` for one stage's modules: its layers, the embedding on the first stage, the
+    vocabulary-parallel head on the last."""
+    layers = tuple(f"model.layers.{index}." for index in range(start, stop))
+    held = {"model.embed_tokens": first, "lm_head": last}
+    return {name: style for name, style in tensor_parallel_plan(num_layers, vocab_parallel_head()).items()
+            if held.get(name, name.startswith(layers))}
+
+
+def wrap_tensor_pipeline(plan: dict, module: CausalLMLoss, device: torch.device, tracker) -> Run:
+    """torchtitan's 2-D layout: a ("pp", "tp") mesh, tensor parallel over consecutive ranks (a node's GPUs, as
+    llamem places them) inside each stage, the stages over the rest. Each rank shards its stage's layers (and
+    the embedding or the head), then builds its stage as `wrap_pipeline` does, on the pipeline's sub-group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = plan["pp"]
+    mesh = init_device_mesh(device.type, (stages, plan["tp"]), mesh_dim_names=("pp", "tp"))
+    stage = mesh.get_local_rank("pp")
+    start, stop = stage_bounds(plan["num_layers"], stages, stage)
+    shard_tensor_parallel(module.model, mesh["tp"], stage_tensor_parallel_plan(
+        plan["num_layers"], start, stop, first=stage == 0, last=stage == stages - 1))
+    stage_module = stage_of(plan, module.model, stage, stages)
+    track_unsharded(tracker, stage_module)
+    stage_module.to(device)
+    stage_group = mesh["pp"].get_group()
+    pipeline_stage = PipelineStage(stage_module, stage_index=stage, num_stages=stages, device=device,
+                                   group=stage_group)
+    groups = split_params([p for p in stage_module.parameters() if p.requires_grad])
+    optimizer = make_optimizer(plan, [{"params": group} for group in groups])
+    return PipelineRun(plan, stage_module, optimizer, device, pipeline_schedule(plan, pipeline_stage, stages), stage,
+                       stages, groups=groups, stage_group=stage_group)
 
 
 # The loop ------------------------------------------------------------------------------------------

@@ -56,9 +56,11 @@ def layout_options(command):
                      show_default=True, help="DeepSpeed ZeRO-Offload to host memory."),
         click.option("--pp-schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True,
                      help="Pipeline schedule: micro-batches in flight on the first stage (pp, or all of them)."),
-        click.option("--engine", type=click.Choice(["deepspeed", "fsdp2"]), default="deepspeed", show_default=True,
-                     help="Who runs --sharding zero3: DeepSpeed, or torch FSDP2 (fully_shard per layer), each sized "
-                     "as it runs (plan --engine fsdp2 chooses FSDP2)."),
+        click.option("--engine", type=click.Choice(["deepspeed", "fsdp2", "megatron"]), default="deepspeed",
+                     show_default=True,
+                     help="Who runs the layout, each sized as it runs: DeepSpeed, torch FSDP2 (--sharding zero3: "
+                     "fully_shard per layer; plan --engine fsdp2 chooses it) or Megatron-LM (its 16-bit model, fp32 "
+                     "gradient buffer and main weights; --sharding zero1 is its distributed optimizer)."),
     ]
     return _apply(options, command)
 

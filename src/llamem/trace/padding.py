@@ -13,6 +13,8 @@ tell it: how many tokens are real, how many sequences are packed.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from llamem.analytic.attention_paths import real_tokens
@@ -47,3 +49,33 @@ def batch_inputs(workload: Workload, spec: ModelSpec, tracer, device: str = "cpu
     for tensor in batch.values():
         tracer.label(tensor, "inputs")
     return batch
+
+
+@contextlib.contextmanager
+def real_packing_check(workload: Workload):
+    """transformers looks for packed sequences in the position ids when there is no cache (checkpointing
+    turns it off) and, finding none, lets SDPA run causal without a mask. On fake tensors it cannot read
+    them (`is_tracing`) and always keeps the packed-sequence mask: SDPA would get a materialised mask, K
+    and V repeated to every head, that a real step never builds. Answer as a real step does: packed only
+    for a padding-free batch of several sequences. A compiled model keeps the mask (dynamo cannot read
+    the values either)."""
+    if workload.compile:
+        yield
+        return
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    packed = workload.padding_free and workload.batch > 1
+
+    def find_packed_sequence_indices(position_ids):
+        found = original(position_ids)
+        if found is None or packed:
+            return found
+        (found[:, -1] == 0).all()  # the check's temporaries, as a real step makes them
+        return None
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original

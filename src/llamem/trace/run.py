@@ -20,7 +20,7 @@ from llamem.model import ModelSpec
 from llamem.report import MemoryReport
 from llamem.trace.build import TORCH_DTYPES, build_meta_model, materialise
 from llamem.trace.liger_kernels import LIGER_NUM_SMS, liger_rope, patch_model
-from llamem.trace.padding import batch_inputs
+from llamem.trace.padding import batch_inputs, real_packing_check
 from llamem.trace.tracer import StorageTracer
 from llamem.workload import LOSS_CHUNKS, Workload
 
@@ -50,7 +50,7 @@ def trace(spec: ModelSpec, workload: Workload, teacher: ModelSpec | None = None)
     if workload.liger:  # Liger's RMSNorm and SwiGLU (its loss and RoPE are swapped in where they run)
         patch_model(model)
     with (FakeTensorMode(allow_non_fake_inputs=True), tracer, _recompute_labels(tracer),
-          liger_rope(model, workload.liger)):
+          liger_rope(model, workload.liger), real_packing_check(workload)):
         model = _materialise(model, tracer, "weights")
         if teacher_model is not None:
             teacher_model = _materialise(teacher_model, tracer, "weights/teacher").eval()
