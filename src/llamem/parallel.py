@@ -482,12 +482,17 @@ def zero_phase_states(states: dict[str, int], phase: str, local: ModelSpec, w: W
     elif phase in ("forward", "backward") and w.grad_accum > 1:  # a later micro-batch's
         kept = {"gradients": accumulated_zero_gradients(phase, local, w, layout)}
     elif phase == "backward":
-        kept = {"gradients": unreduced + partition + half * local.hidden_size ** 2}
+        kept = {"gradients": unreduced + partition + reduce_bucket_bytes(local, w)}
     else:
         kept = {"gradients": 2 * partition + 4 * P // n}
     fp32_gradients = 4 * P // n if layout.sharding == "zero1" else 0  # ZeRO-1's accounting has it with the state
     others = {k: v for k, v in states.items() if k != "gradients"}
     return {**others, **kept, "optimizer": states["optimizer"] - fp32_gradients}
+
+
+def reduce_bucket_bytes(local: ModelSpec, w: Workload) -> int:
+    """DeepSpeed's contiguous-gradients reduce bucket: the emitted reduce_bucket_size (h x h elements), 16-bit."""
+    return DTYPE_BYTES[w.compute_dtype] * local.hidden_size ** 2
 
 
 def accumulated_zero_gradients(phase: str, local: ModelSpec, w: Workload, layout: Layout) -> int:
@@ -502,7 +507,7 @@ def accumulated_zero_gradients(phase: str, local: ModelSpec, w: Workload, layout
     reduction reaches the partition, past the loss, freed at its end: below the step's (the first's, its
     concatenation and the fp32 gradient)."""
     P, n, half = local.num_params, layout.dp, DTYPE_BYTES[w.compute_dtype]
-    partition, bucket = half * P // n, half * local.hidden_size ** 2  # the emitted reduce_bucket_size: h x h
+    partition, bucket = half * P // n, reduce_bucket_bytes(local, w)
     if layout.sharding == "zero1":
         return half * P + bucket + (partition if phase == "backward" else 0)
     return partition + (bucket if phase == "backward" else 0)
@@ -540,7 +545,7 @@ def zero1_backward(end: dict[str, int], alive_bytes: int, local: ModelSpec, w: W
     half, weight = DTYPE_BYTES[w.compute_dtype], DTYPE_BYTES[w.weight_dtype]
     alive = alive_bytes * half // weight
     accumulated = end["gradients"] - half * local.num_params // layout.dp
-    during = {**end, "gradients": accumulated if w.grad_accum > 1 else alive + half * local.hidden_size ** 2 if alive
+    during = {**end, "gradients": accumulated if w.grad_accum > 1 else alive + reduce_bucket_bytes(local, w) if alive
               else 0}
     persists = ("inputs", "weights/teacher")
     after = {k: v for k, v in end.items() if k.startswith(("weights", "gradients", "optimizer")) or k in persists}
