@@ -443,7 +443,7 @@ def apply_data_parallel(phases: dict[str, dict[str, int]], local: ModelSpec, w: 
                 kept.pop("temporaries", None)
             phases[name] = {**kept, **{k: v for k, v in zero_phase_states(states, name, local, w, layout).items() if v}}
             if name == "backward" and zero1_reduces_at_the_end(w, layout):
-                phases[name] = zero1_backward(phases[name], breakdown.get("gradients", 0), local, w, layout)
+                phases[name] = zero1_backward(phases[name], breakdown.get("gradients", 0), local, w)
     elif layout.sharding == "zero3":
         # Frozen weights (LoRA base, inference) sharded: a shard plus the gathered largest layer.
         for breakdown in phases.values():
@@ -501,7 +501,7 @@ def accumulated_zero_gradients(phase: str, local: ModelSpec, w: Workload, layout
     `llamem.analytic.schedule_deepspeed` replays it and the 2-rank CPU bundle's trace has it). ZeRO-1 reduces at
     the boundary only: every gradient of the first micro-batch (`param.grad`, which autograd accumulates into) and
     the reduce bucket its first hook made live through the later ones, and the boundary's reduction makes
-    `grads_in_partition` at the end of backward beside them (counted with the activations' worst: a bound). ZeRO-2
+    `grads_in_partition` at the end of backward beside them (`zero1_backward` keeps the larger moment). ZeRO-2
     reduces in every backward: the first micro-batch's `grads_in_partition` lives to the step (the later ones are
     added into it); a later backward makes its bucket at its first hook and its own `grads_in_partition` once its
     reduction reaches the partition, past the loss, freed at its end: below the step's (the first's, its
@@ -532,8 +532,7 @@ def zero1_reduces_at_the_end(w: Workload, layout: Layout) -> bool:
             and w.task in ("train", "distill"))
 
 
-def zero1_backward(end: dict[str, int], alive_bytes: int, local: ModelSpec, w: Workload,
-                   layout: Layout) -> dict[str, int]:
+def zero1_backward(end: dict[str, int], alive_bytes: int, local: ModelSpec, w: Workload) -> dict[str, int]:
     """ZeRO-1's backward phase: the larger of its two worst moments, not their sum. `end`: the boundary's end
     of backward as `zero_phase_states` has it (every 16-bit gradient, the bucket, the partition the reduction
     makes) beside the worst moment's activations, which are gone by then: only the inputs and a teacher's weights
@@ -543,13 +542,10 @@ def zero1_backward(end: dict[str, int], alive_bytes: int, local: ModelSpec, w: W
     left. On llama-3.1-8b, 2 GPUs, 2 x 1024 tokens: backward 82.30 GiB (was 97.55), below the step's 89.75 (the
     rank's schedule peaks at 89.78 GiB, in the step)."""
     half, weight = DTYPE_BYTES[w.compute_dtype], DTYPE_BYTES[w.weight_dtype]
-    alive = alive_bytes * half // weight
-    accumulated = end["gradients"] - half * local.num_params // layout.dp
-    during = {**end, "gradients": accumulated if w.grad_accum > 1 else alive + reduce_bucket_bytes(local, w) if alive
-              else 0}
-    persists = ("inputs", "weights/teacher")
-    after = {k: v for k, v in end.items() if k.startswith(("weights", "gradients", "optimizer")) or k in persists}
-    after = {k: v for k, v in after.items() if k != "weights/autocast_copies"}
+    alive = half * local.num_params if w.grad_accum > 1 else alive_bytes * half // weight
+    during = {**end, "gradients": alive + reduce_bucket_bytes(local, w) if alive else 0}
+    after = {k: v for k, v in end.items() if k in ("inputs", "weights/teacher")
+             or (k.startswith(("weights", "gradients", "optimizer")) and k != "weights/autocast_copies")}
     chosen = max(during, after, key=lambda b: sum(b.values()))
     return {k: v for k, v in chosen.items() if v}
 
