@@ -163,11 +163,14 @@ def test_deepspeed_zero2_bundle_ranks_peak_at_the_estimate(config_path, tmp_path
     run = _start(config_path, "zero2", tmp_path_factory, timeout_s=600, grad_accum=2).result()
     print(run.stdout)
     ranks = run.ranks()
-    assert ranks[0]["peak"] == ranks[1]["peak"]
+    # The ranks hold the same tensors; with two micro-batches a step gloo's worker thread lets go of a 512-byte
+    # scalar sooner on one rank or the other (1,961,472 and 1,961,984 seen in runs of the same bundle).
+    assert abs(ranks[0]["peak"] - ranks[1]["peak"]) <= 512
     # The estimate is a GPU's: the parameters arrive in bf16 and DeepSpeed's FusedAdam steps the flat partition.
     # On CPU the tracker also counts the fp32 model built on the host (freed as each bf16 copy is made) and
     # torch's AdamW steps with two partition-sized temporaries: 271,872 bytes more at the peak, by the rank's
-    # own schedules (`schedule_deepspeed`, gloo against nccl). Measured 1,961,472; the estimate 1,675,008.
+    # own schedules (`schedule_deepspeed`, gloo against nccl). Measured 1,961,472 (or 512 bytes more); the estimate
+    # 1,675,008.
     spec = load_model(None, config_path=str(config_path))
     w = build_workload("train", **FIELDS, grad_accum=2)
     layout = make_layout(spec, w, gpus=2, sharding="zero2")
