@@ -66,8 +66,8 @@ def precision_note(w: Workload, layout: Layout) -> str:
                 f"gradients and activations, fp32 master weights and optimizer state inside the ZeRO optimizer")
     if deepspeed_16bit_mode(w, layout):
         return (f"precision as the engines that shard optimizer state beside tensor or pipeline parallelism run "
-                f"{w.precision} (Megatron-LM's --{w.compute_dtype} with its distributed optimizer, FSDP2 as torchtitan "
-                f"runs it): {w.compute_dtype} weights and activations, fp32 master weights and optimizer state sharded")
+                f"{w.precision} (FSDP2 as torchtitan runs it; --engine megatron sizes Megatron-LM's own states): "
+                f"{w.compute_dtype} weights and activations, fp32 master weights and optimizer state sharded")
     if layout.engine == "fsdp2" and layout.sharding == "zero3" and w.mixed:
         return (f"precision as FSDP2's MixedPrecisionPolicy(param_dtype={w.compute_dtype}, reduce_dtype=fp32) runs "
                 f"{w.precision}: fp32 shards, {w.compute_dtype} gathered weights and activations")
