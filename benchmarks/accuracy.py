@@ -64,6 +64,7 @@ def matrix() -> list[tuple[str, dict]]:
              ("llama-3.2-1b", dict(task="distill", teacher="llama-3.2-3b", batch=1, seq=256))]
     rows += selective_rows()
     rows += every_k_rows()
+    rows += liger_checkpointing_rows()
     rows += family_rows()
     rows += moe_rows()
     rows += llama4_rows()
@@ -405,6 +406,41 @@ def every_k_rows() -> list[tuple[str, dict]]:
         ("llama-2-7b", dict(task="qlora", precision="bf16", optimizer="adamw", batch=1, seq=2048, ac_every=2)),
         # a sliding window (256) shorter than the sequence: its mask, one for the batch, kept by the checkpoint
         ("mistral-7b-v0.1", dict(task="train", precision="bf16", optimizer="adamw", batch=2, seq=1024, ac_every=2)),
+    ]
+
+
+def liger_checkpointing_rows() -> list[tuple[str, dict]]:
+    """Liger's kernels under checkpointing (`backward.liger_layer_backward`): its SwiGLU backward works in
+    place, so a checkpointed layer's worst moment is down_proj's backward or, with adapters, the recompute
+    it starts (an adapted MLP linear's LoRA output at its worst); the forward's is the top checkpointed
+    layer's MLP (selective: with what the policy kept of it so far). The four debug rows join the CI subset."""
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return [
+        ("debug", dict(task="train", precision="bf16", optimizer="adafactor", batch=16, seq=512, ac_every=1,
+                       liger=True)),
+        ("debug", dict(task="lora", precision="bf16-mixed", optimizer="adamw", batch=4, seq=512, ac_every=1,
+                       liger=True, lora_targets=every)),
+        ("debug", dict(task="qlora", precision="bf16", optimizer="adamw", batch=4, seq=512, ac_every=2, liger=True)),
+        # offloaded: Liger's RMSNorm keeps the layer's reloaded input through its backward
+        ("debug", dict(task="train", precision="bf16", optimizer="adafactor", batch=8, seq=1024, ac_every=1,
+                       liger=True, offload_activations=True)),
+        ("tinyllama-1.1b", dict(task="lora", precision="bf16-mixed", optimizer="adamw", batch=2, seq=1024,
+                                liger=True)),
+        ("tinyllama-1.1b", dict(task="train", precision="bf16-mixed", optimizer="adamw", batch=2, seq=1024,
+                                ac_every=1, liger=True)),
+        ("llama-3.2-1b", dict(task="lora", precision="bf16", optimizer="adamw", batch=2, seq=2048, ac_every=1,
+                              liger=True)),
+        ("llama-3.2-1b", dict(task="qlora", precision="bf16", optimizer="adamw", batch=2, seq=1024, ac_every=1,
+                              liger=True, lora_targets=every)),
+        ("llama-3.1-8b", dict(task="train", precision="bf16", optimizer="sgd", batch=1, seq=2048, ac_every=1,
+                              liger=True)),
+        ("llama-3.1-8b", dict(task="lora", precision="bf16-mixed", optimizer="adamw", batch=1, seq=2048,
+                              ac_every=2, liger=True, lora_targets=every)),
+        # selective: the policy's kept outputs of down_proj wait in its cache until the recompute reaches them
+        ("tinyllama-1.1b", dict(task="lora", precision="bf16", optimizer="adamw-fused", batch=8, seq=1024, ac_every=1,
+                                ac_mode="selective", liger=True)),
+        ("llama-3.2-1b", dict(task="lora", precision="bf16-mixed", optimizer="adamw", batch=2, seq=1024, ac_every=1,
+                              ac_mode="selective", liger=True, lora_targets=every)),
     ]
 
 

@@ -147,7 +147,7 @@ def test_the_loss_is_finite_and_the_same_on_every_rank(grid_run):
 def test_each_rank_peaks_near_its_stages_estimate(grid_plan, grid_run, config_path, capsys):
     spec, w, layout = grid_plan.model, grid_plan.final.workload, grid_plan.final.layout
     stages = [_peak(pipeline_stage_phases(spec, w, layout, stage)) for stage in (0, 1)]
-    assert stages == [1_200_640, 1_307_648]
+    assert stages == [1_200_640, 1_345_024]
     capsys.readouterr()
     assert main(["estimate", "--config", str(config_path), "--batch", "2", "--seq", "16", "--grad-accum", "2",
                  "--precision", "bf16-mixed", "--optimizer", "adamw", "--gpus", "4", "--tp", "2", "--pp", "2",
@@ -164,8 +164,14 @@ def test_each_rank_peaks_near_its_stages_estimate(grid_plan, grid_run, config_pa
     # on a pipeline's first stage): measured 1,209,344, 0.7 % above the estimate (1.5 % when it was left out).
     assert rounded(V * H * 4) - rounded(V // 2 * H * 4) == 65_536
     assert abs(peaks[0] - stages[0]) <= 0.01 * stages[0], (peaks[0], stages[0])
-    # Stage 1 peaks in the last micro-batch's head backward: measured 1,280,512, 2.1 % below. torch's
-    # `loss_parallel` fuses log_softmax's and nll_loss's backward: one fp32 tokens x V/tp tensor fewer than the
-    # cross-entropy backward the estimate sizes (on the large side by that much: 32,768 bytes here).
-    fused_loss_backward = rounded(4 * TOKENS * V // 2)
-    assert 0 <= stages[1] - peaks[2] <= fused_loss_backward, (peaks[2], stages[1])
+    # Stage 1 peaks in the last micro-batch's loss backward, torch's `loss_parallel` (`llamem.analytic.loss_parallel`,
+    # held to torch's handlers op by op in test_tp_loss.py): the saved log_softmax beside three fp32 tokens x V/tp
+    # tensors (zeros_like, exp and their sum, then the product) and the handler's T-vectors. The tracker sees each
+    # handler's result only (DTensor runs them inside the op's dispatch, where a dispatch mode is off): two of those
+    # tensors and six T-vectors go unseen, so the run's loss backward is lower and its peak comes at the head's fp32
+    # weight gradient: measured 1,280,512, 4.8 % below the estimate. With what the handler holds unseen it is 0.3 %
+    # above (the run's live bytes at the fused backward, 1,277,440 measured once, with it: 1,346,048, 0.08 % above).
+    unseen_by_the_tracker = (2 * rounded(4 * TOKENS * V // 2) + 3 * rounded(8 * TOKENS) + rounded(TOKENS)
+                             + 2 * rounded(4 * TOKENS))
+    assert 0 <= stages[1] - peaks[2] <= unseen_by_the_tracker, (peaks[2], stages[1])
+    assert abs(peaks[2] + unseen_by_the_tracker - stages[1]) <= 0.01 * stages[1], (peaks[2], stages[1])

@@ -185,11 +185,12 @@ def test_engines_that_cannot_plan_the_task_say_so(argv, message):
 
 def test_maximize_batch_steps_by_the_replicas_when_every_layout_replicates():
     """Under DeepSpeed (no tensor or pipeline parallel) 4 GPUs are 4 replicas: the largest global batch
-    is a multiple of 4, each replica running a quarter of it: at 1024 tokens on 8 GiB cards, 204 (51 per
-    replica; 196 before ZeRO-1's backward was sized as the larger of its two moments, `parallel.zero1_backward`)."""
+    is a multiple of 4, each replica running a quarter of it: at 1024 tokens on 8 GiB cards, 240 (60 per
+    replica, ZeRO-3 with offload, Liger's kernels and offloaded checkpoints; 204 under ZeRO-1 before a
+    checkpointed layer's backward under Liger was sized as it runs, `backward.liger_layer_backward`)."""
     spec = load_model("llama-3.2-1b")
     w = build_workload(task="train", batch=8, seq=1024, precision="bf16-mixed", optimizer="adamw")
     plan = make_plan(spec, w, budget_gpu(8 * 2**30), num_gpus=4,
                      host_budget_bytes=HOST_BYTES, engine="deepspeed", maximize_what="batch")
-    assert plan.fits and plan.maximized == {"what": "batch", "value": 204}
-    assert plan.final.layout.dp == 4 and plan.final.workload.batch == 51 and plan.final.workload.grad_accum == 1
+    assert plan.fits and plan.maximized == {"what": "batch", "value": 240}
+    assert plan.final.layout.dp == 4 and plan.final.workload.batch == 60 and plan.final.workload.grad_accum == 1

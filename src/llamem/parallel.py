@@ -24,7 +24,8 @@ docstring derives each term from torch's source.
 
 Tensor parallel t divides heads, KV heads, the MLP width and the vocabulary by t
 (Megatron-style column/row splits, vocabulary-parallel loss); norms and the residual stream
-are replicated. Pipeline parallel training sizes every stage as it runs (`llamem.pipeline_stages`: its
+are replicated. Under torch's tensor parallel (not Megatron-LM's) the loss on the vocabulary shards is
+sized as `loss_parallel` runs it (`llamem.analytic.loss_parallel`), on TP alone and the last pipeline stage. Pipeline parallel training sizes every stage as it runs (`llamem.pipeline_stages`: its
 layers, the embedding on the first, the head and loss on the last, min(p - s, M) micro-batches in flight
 on stage s with 1F1B, all M with GPipe, the receive buffers and kept outputs) and reports the busiest;
 a generation's layer split is sized as ceil(L/p) layers with the embedding and the head both.
@@ -43,6 +44,7 @@ from llamem.analytic.activations import (checkpoint_mask_bytes, is_checkpointed,
                                          stream_bytes, training_activations)
 from llamem.analytic.common import add_breakdowns, r512, trains_base_weights
 from llamem.analytic.logits import training_logits
+from llamem.analytic.loss_parallel import runs_loss_parallel, size_loss_parallel
 from llamem.analytic.weights import rope_buffer_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.errors import InvalidWorkload
@@ -50,8 +52,8 @@ from llamem.megatron import megatron_problems, megatron_state_bytes
 from llamem.expert_parallel import expert_parallel_phases, expert_parallel_problems
 from llamem.expert_parallel_engines import transformers_ep_phases
 from llamem.model import ModelSpec, load_model
-from llamem.pipeline_stages import (add_pipeline_buffers, in_flight, schedule_in_flight, stage_positions, stage_spec,
-                                    trim_stage, vocab_state)
+from llamem.pipeline_stages import (add_pipeline_buffers, in_flight, last_stage_loss_saved_bytes, schedule_in_flight,
+                                    stage_positions, stage_spec, trim_stage, vocab_state)
 from llamem.teacher_placement import place_teacher, placement_problems, whole_teacher_bytes
 from llamem.workload import Workload, with_changes
 
@@ -338,6 +340,8 @@ def per_gpu_phases(spec: ModelSpec, w: Workload, layout: Layout,
     local = shard_spec(spec, layout)
     local_teacher = shard_spec(teacher, layout) if teacher is not None else None
     phases = apply_data_parallel(local_phases(local, w, layout, local_teacher), local, w, layout, local_teacher)
+    if runs_loss_parallel(w, layout):  # the loss on the vocabulary shards, as torch's `loss_parallel` runs it
+        size_loss_parallel(phases, local, w)
     add_whole_embedding_gradient(phases, spec, w, layout)
     return transformers_ep_phases(expert_parallel_phases(phases, local, w, layout), phases, local, w, layout)
 
@@ -414,13 +418,16 @@ def pipeline_stage_phases(spec: ModelSpec, w: Workload, layout: Layout, stage: i
     vocab = vocab if vocab is not None else _vocab_state(spec, w, layout, teacher)
     local = stage_spec(whole, num_layers, stages, stage)
     phases, first, last = on_gpu(local), stage == 0, stage == stages - 1
+    if last and runs_loss_parallel(w, layout):  # the stage keeps its output, the logits, through the loss
+        size_loss_parallel(phases, local, w, output_kept=True)
     trim_stage(phases, vocab, local, w, first=first, last=last)
     flight = in_flight(stage, stages, layout.microbatches, layout.pipeline_schedule)
     if w.is_training:
         if first:  # with the step's gradients, which the micro-batches in flight may not have yet
             add_whole_embedding_gradient(phases, spec, w, layout)
         schedule_in_flight(phases, flight, layout.microbatches,
-                           gradients_kept=layout.sharding != "none" or layout.engine == "megatron")
+                           gradients_kept=layout.sharding != "none" or layout.engine == "megatron",
+                           loss_saved_bytes=last_stage_loss_saved_bytes(local, w, last))
         add_pipeline_buffers(phases, local, w, first=first, last=last, microbatches=layout.microbatches,
                              flight=flight)
     return transformers_ep_phases(expert_parallel_phases(phases, local, w, layout), phases, local, w, layout)

@@ -12,7 +12,8 @@ the pipeline itself keeps:
   the residual stream's dtype: fp32 under autocast), every stage but the last one buffer per micro-batch
   for its output's gradient (`_create_grad_recv_info`); both are made on the first step and kept.
 - outputs: the last stage keeps each micro-batch's output (the logits, in the compute dtype) and loss
-  until the next step (`output_chunks`, the schedule's `losses`), so through the optimizer step.
+  until the next step (`output_chunks`, the schedule's `losses`), so through the optimizer step; with
+  several micro-batches in flight there (GPipe), each keeps its loss's saved tensors until its backward.
 Left out: on the first step torch runs the first stage's forward once more to infer the shapes it sends
 (freed before the pipeline runs), and each stage's few 512-byte bookkeeping tensors.
 """
@@ -23,6 +24,7 @@ import dataclasses
 from functools import lru_cache
 
 from llamem.analytic.common import r512, tensor_bytes
+from llamem.analytic.logits import training_logits
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import Workload
@@ -109,13 +111,23 @@ compute-dtype copies of the Linear weights (each forward call enters autocast an
 the cache, so every micro-batch's graph keeps the copies it made)."""
 
 
-def scaled(breakdown: dict[str, int], times: int, gradients: bool) -> dict[str, int]:
-    return {key: value * times if key in PER_MICROBATCH else value for key, value in breakdown.items()
+def scaled(breakdown: dict[str, int], times: int, gradients: bool, loss_saved_bytes: int = 0) -> dict[str, int]:
+    """`times` micro-batches in flight: each holds its own PER_MICROBATCH bytes and, besides the current
+    one's loss, its loss's saved tensors (`loss_saved_bytes`, the last stage's)."""
+    held = {key: value * times if key in PER_MICROBATCH else value for key, value in breakdown.items()
             if gradients or key != "gradients"}
+    if loss_saved_bytes and times > 1:
+        held["logits/pipeline_losses"] = (times - 1) * loss_saved_bytes
+    return held
+
+
+def last_stage_loss_saved_bytes(local: ModelSpec, w: Workload, last: bool) -> int:
+    """What one micro-batch's loss keeps for its backward on the last stage (none on the others)."""
+    return training_logits(local, w).saved if last and w.is_training else 0
 
 
 def schedule_in_flight(phases: dict[str, dict[str, int]], flight: int, microbatches: int, *,
-                       gradients_kept: bool) -> None:
+                       gradients_kept: bool, loss_saved_bytes: int = 0) -> None:
     """Forward and backward with `flight` micro-batches in flight. With more micro-batches than that, 1F1B
     runs forwards after backwards, so the step's gradients are there while `flight` are in flight. Otherwise
     (GPipe, or a stage whose warm-up runs every forward) all forwards come first: no gradients in forward
@@ -125,12 +137,12 @@ def schedule_in_flight(phases: dict[str, dict[str, int]], flight: int, microbatc
         return
     steady = microbatches > flight or gradients_kept
     if "forward" in phases:
-        phases["forward"] = scaled(phases["forward"], flight, steady)
+        phases["forward"] = scaled(phases["forward"], flight, steady, loss_saved_bytes)
     if "backward" in phases:
         backward = phases["backward"]
-        options = [scaled(backward, flight, steady)]
+        options = [scaled(backward, flight, steady, loss_saved_bytes)]
         if not steady:
-            options.append(scaled(backward, max(flight - 1, 1), True))
+            options.append(scaled(backward, max(flight - 1, 1), True, loss_saved_bytes))
         phases["backward"] = max(options, key=lambda b: sum(b.values()))
 
 

@@ -135,8 +135,8 @@ def device_notes(device, w: Workload, single_gpu: bool, traced: bool = False,
     elif not single_gpu:
         notes.append("the fragmentation comes from this GPU's share of the model replayed as one device (the "
                      "single-GPU schedule: ranks have their own only under DDP, FSDP2's ZeRO-3 and tensor parallel, "
-                     "DeepSpeed's ZeRO-1/2, and pipeline stages of an autocast Llama without checkpointing at no "
-                     "more micro-batches than stages, for full training), with whole model states where ZeRO shards them "
+                     "DeepSpeed's ZeRO-1/2, and pipeline stages of an autocast Llama without checkpointing at up to "
+                     "two micro-batches per stage, for full training), with whole model states where ZeRO shards them "
                      "and without ZeRO's buckets or a pipeline's micro-batches in flight: it errs on the large side "
                      "for ZeRO layouts; no allocator advice for parallel layouts")
     return notes

@@ -42,7 +42,7 @@ from llamem.analytic.common import r512, trains_base_weights
 from llamem.analytic.kv_cache import training_cache_bytes
 from llamem.analytic import llama4
 from llamem.analytic.moe import moe_input_readers, moe_saved_bytes
-from llamem.analytic.selective import selective_kept_bytes
+from llamem.analytic.selective import kept_outputs_of, selective_kept_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import Workload
@@ -242,9 +242,17 @@ def _mlp_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags, h1_rg: bo
     if flags.train_all:
         mlp += unit
     elif "down_proj" in t:
-        mlp += (_mixed_adapted_input_saved(T, I, workload.lora_rank) if workload.mixed
-                else (r512(4 * T * I) if e < 4 else r512(e * T * I)) + r512(4 * T * workload.lora_rank))
+        mlp += adapted_down_proj_saved_bytes(spec, workload)
     return mlp
+
+
+def adapted_down_proj_saved_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """What an adapted down_proj keeps in place of the product: its cast for lora_A (fp32 over fp32 adapters,
+    bf16 under autocast; the product itself in fp32) and lora_A's output."""
+    T, I, rank = workload.batch * workload.seq, spec.intermediate_size, workload.lora_rank
+    if workload.mixed:
+        return _mixed_adapted_input_saved(T, I, rank)
+    return r512(4 * T * I) + r512(4 * T * rank)
 
 
 def _mixed_adapted_input_saved(T: int, fan_in: int, rank: int) -> int:
@@ -418,3 +426,19 @@ def training_activations(spec: ModelSpec, workload: Workload, distill: bool = Fa
     cache = (0 if workload.liger else training_cache_bytes(spec, workload)) + masked_cache_bytes(spec, workload)
     return TrainingActivations(forward=saved + output + cache,
                                backward=saved + kept_output, layer=layer)
+
+
+def checkpointed_mlp_forward_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """Activations at the top checkpointed layer's MLP in forward, where no saved set is kept yet: what
+    `checkpointed_layer_held_bytes` holds and three MLP-sized tensors (Liger: gate, up and their product;
+    transformers: silu(gate), up and the product). Without full logits (Liger) this is the forward's worst
+    moment on most shapes."""
+    top = (spec.num_layers - 1) // workload.ac_every * workload.ac_every
+    T, I = workload.batch * workload.seq, spec.intermediate_size
+    mlp = r512((2 if workload.mixed else compute_bytes(workload)) * T * I)
+    # selective: what the policy kept of this layer so far beyond those three (down_proj's outputs come
+    # later; an unadapted gate_proj's or up_proj's output is gate or up itself)
+    adapted = set(workload.lora_targets) if workload.uses_adapters else set()
+    not_yet = {"down_proj", "down_proj.lora_A", "down_proj.lora_B", *({"gate_proj", "up_proj"} - adapted)}
+    kept = selective_kept_bytes(spec, workload) - kept_outputs_of(spec, workload, not_yet)
+    return checkpointed_layer_held_bytes(spec, workload, top) + 3 * mlp + kept

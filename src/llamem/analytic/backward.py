@@ -18,12 +18,15 @@ Left out: the exact op order inside the layer's backward (schedule_train.py repl
 
 from __future__ import annotations
 
-from llamem.analytic.activations import checkpoint_mask_bytes, compute_bytes, rope_bytes, stream_bytes
+from dataclasses import dataclass
+
+from llamem.analytic.activations import (adapted_down_proj_saved_bytes, checkpoint_mask_bytes, compute_bytes, rope_bytes,
+                                         stream_bytes)
 from llamem.analytic.common import r512, trains_base_weights
 from llamem.analytic.llama4 import extra_mask_bytes
 from llamem.analytic.optimizer import layer_gradient_bytes
-from llamem.analytic.selective import selective_kept_bytes
-from llamem.analytic.weights import layer_autocast_copy_bytes
+from llamem.analytic.selective import kept_outputs_of, selective_kept_bytes
+from llamem.analytic.weights import layer_adapter_cast_bytes, layer_autocast_copy_bytes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.workload import Workload
@@ -37,21 +40,114 @@ def checkpointed_backward_moments(spec: ModelSpec, w: Workload, gradient_total_b
     plain layers with their saved sets and, under autocast, their weight copies."""
     if not w.ac_every:
         return []
-    current = (_current_layer_bytes(spec, w, layer_saved_bytes) + rope_bytes(spec, w) + checkpoint_mask_bytes(w, spec)
-               + extra_mask_bytes(spec, w))
-    temporaries = _layer_backward_temporaries(spec, w)
+    liger = liger_layer_backward(spec, w, layer_saved_bytes) if w.liger else None
+    current = ((liger.current if liger else _current_layer_bytes(spec, w, layer_saved_bytes)) + rope_bytes(spec, w)
+               + checkpoint_mask_bytes(w, spec) + extra_mask_bytes(spec, w))
+    temporaries = liger.temporaries if liger else _layer_backward_temporaries(spec, w)
     # What each checkpoint keeps: its input and, selective, its policy's outputs.
     checkpoint = stream_bytes(w, spec) + selective_kept_bytes(spec, w)
-    per_layer_copies, current_copies = _autocast_copies(spec, w)
+    per_layer_copies, current_copies = _autocast_copies(spec, w, liger is not None)
     moments = []
-    for index in (spec.num_layers - 1, 0):
+    # Liger's plain top layer (every-K) has its own moment (`liger.liger_top_layer_backward`)
+    top = (spec.num_layers - 1) // w.ac_every * w.ac_every if liger else spec.num_layers - 1
+    for index in (top, 0):
         checkpointed_below = -(-index // w.ac_every)
         plain_below = index - checkpointed_below
-        moments.append({"gradients": gradients_alive(spec, w, gradient_total_bytes, index),
-                        "weights/autocast_copies": plain_below * per_layer_copies + current_copies,
-                        "activations": checkpointed_below * checkpoint + plain_below * layer_saved_bytes + current,
-                        "temporaries": temporaries})
+        gradients = gradients_alive(spec, w, gradient_total_bytes, index) - (liger.unmade_gradient if liger else 0)
+        moment = {"gradients": gradients, "weights/autocast_copies": plain_below * per_layer_copies + current_copies,
+                  "activations": checkpointed_below * checkpoint + plain_below * layer_saved_bytes + current,
+                  "temporaries": temporaries}
+        if liger and index == spec.num_layers - 1:  # the stream gradient is still Liger's grad_input
+            moment.update(temporaries=temporaries - stream_bytes(w, spec), logits=stream_bytes(w, spec))
+        moments.append(moment)
     return moments
+
+
+DOWN_PROJ_MATMULS = ("down_proj", "down_proj.lora_A", "down_proj.lora_B")
+
+
+@dataclass(frozen=True, slots=True)
+class LigerLayerBackward:
+    """A checkpointed layer's worst backward moment under Liger's kernels (`liger_layer_backward`)."""
+    current: int
+    """The current layer's activations: its recomputed saved set and what the moment adds to it."""
+    temporaries: int
+    """The stream gradient and what the moment makes."""
+    unmade_gradient: int
+    """Of the gradients `gradients_alive` counts, the one not yet made at the moment (down_proj's)."""
+
+
+def liger_layer_backward(spec: ModelSpec, w: Workload, layer_saved_bytes: int) -> LigerLayerBackward:
+    """Liger's SwiGLU writes its backward into gate and up in place, so a checkpointed layer's worst moment
+    is down_proj's backward, where the recompute has the whole saved set back (Liger's RMSNorm keeps its input,
+    h1 among it). Full fine-tuning: down_proj keeps the SwiGLU product and makes its weight gradient, then
+    the product's gradient (T x I); under autocast the weight gradient is still its bf16 product (the fp32 one
+    comes after), beside the stream gradient's bf16 cast and down_proj's bf16 weight copy. Adapters: a plain
+    frozen down_proj keeps nothing, so the recompute, started by its backward, makes the product again
+    (T x I, alive until it ends); a quantized one (bitsandbytes keeps its state on ctx) makes the product's
+    gradient first and the recompute comes after, both alive; the recompute's locals, the MLP's input among
+    them, are alive with it. Measured on the trace engine
+    (tests/test_accuracy.py, the Liger rows with checkpointing)."""
+    mlp, stream = _mlp_tensor_bytes(spec, w), stream_bytes(w, spec)
+    if trains_base_weights(w):
+        own = r512(DTYPE_BYTES[w.weight_dtype] * spec.hidden_size * spec.intermediate_size)
+        if not w.mixed:
+            return LigerLayerBackward(layer_saved_bytes, stream + mlp, 0)
+        casts = r512(2 * spec.hidden_size * spec.intermediate_size) + r512(2 * w.batch * w.seq * spec.hidden_size)
+        return LigerLayerBackward(layer_saved_bytes, stream + mlp + casts, own)
+    # the recompute's locals at that point: the MLP's input (the norm's output, kept by no frozen linear)
+    # and the product, unless an adapted down_proj keeps it
+    # and, selective, down_proj's outputs the policy keeps, handed back when the recompute reaches them
+    cached = kept_outputs_of(spec, w, DOWN_PROJ_MATMULS)
+    current = layer_saved_bytes + stream + (0 if "down_proj" in w.lora_targets else mlp) + cached
+    adapted = set(w.lora_targets)
+    if {"gate_proj", "up_proj"} & adapted:
+        current = max(current, _adapted_gate_up_moment(spec, w, layer_saved_bytes) + cached)
+    if "down_proj" in adapted:
+        current = max(current, _adapted_down_proj_moment(spec, w, layer_saved_bytes))
+    return LigerLayerBackward(current, stream + _adapter_backward_temporaries(spec, w), 0)
+
+
+def _adapter_backward_temporaries(spec: ModelSpec, w: Workload) -> int:
+    """Made before the recompute, beside the stream gradient: a quantized down_proj's product gradient (it
+    needs no saved tensor), under autocast the stream gradient's bf16 cast, and an adapted down_proj's
+    LoRA gradient (its cast and scaled copy: the adapters' dtype, bf16 under autocast)."""
+    Th = w.batch * w.seq * spec.hidden_size
+    down = "down_proj" in w.lora_targets
+    made = _mlp_tensor_bytes(spec, w) if (w.quant != "none" and not down) else 0
+    if w.mixed:
+        made += r512(2 * Th)
+    elif down:
+        made += r512(compute_bytes(w) * Th)
+    return made + (r512((2 if w.mixed else 4) * Th) if down else 0)
+
+
+def _adapted_gate_up_moment(spec: ModelSpec, w: Workload, layer_saved_bytes: int) -> int:
+    """The recompute at the last adapted one of gate_proj and up_proj, at its LoRA: its base output (standing
+    for its result, kept later; quantized: and peft's clone of it), lora_B's output and its scaled copy (fp32
+    over fp32 adapters, bf16 under autocast) and the MLP's input; up, if that is later, and what an adapted
+    down_proj keeps are not made yet."""
+    T, I = w.batch * w.seq, spec.intermediate_size
+    mlp = _mlp_tensor_bytes(spec, w)
+    lora_output = r512((2 if w.mixed else 4) * T * I)
+    later = (adapted_down_proj_saved_bytes(spec, w) if "down_proj" in w.lora_targets else 0) + (
+        0 if "up_proj" in w.lora_targets else mlp)
+    clone = mlp if w.quant != "none" else 0
+    return layer_saved_bytes - later + stream_bytes(w, spec) + 2 * lora_output + clone
+
+
+def _adapted_down_proj_moment(spec: ModelSpec, w: Workload, layer_saved_bytes: int) -> int:
+    """The recompute at an adapted down_proj's LoRA: the MLP's input, the product, its base output and,
+    under autocast, peft's fp32 cast of the product (lora_A keeps its bf16 cast); selective, also its
+    adapter's kept outputs and the scaled one."""
+    T, I, h = w.batch * w.seq, spec.intermediate_size, spec.hidden_size
+    base_output = r512((2 if w.mixed else compute_bytes(w)) * T * h)
+    fp32_cast = r512(4 * T * I) if w.mixed else 0
+    moment = layer_saved_bytes + stream_bytes(w, spec) + _mlp_tensor_bytes(spec, w) + fp32_cast + base_output
+    if w.selective_ac:  # no early stop: the recompute runs on to lora_B (its output kept) and the scaling
+        kept = kept_outputs_of(spec, w, DOWN_PROJ_MATMULS[1:])
+        moment += kept + r512((2 if w.mixed else 4) * T * h)
+    return moment
 
 
 def _mlp_tensor_bytes(spec: ModelSpec, w: Workload) -> int:
@@ -71,11 +167,15 @@ def gradients_alive(spec: ModelSpec, w: Workload, gradient_total_bytes: int, ind
     return head + above + own
 
 
-def _autocast_copies(spec: ModelSpec, w: Workload) -> tuple[int, int]:
+def _autocast_copies(spec: ModelSpec, w: Workload, in_down_proj: bool = False) -> tuple[int, int]:
     """(a plain layer's weight copies, the current layer's) under autocast: the current layer's
-    recompute made its own, less down_proj's (gone with its backward, before the worst moment)."""
+    recompute made its own, less down_proj's (gone with its backward, before the worst moment,
+    unless the moment is in down_proj's backward: `in_down_proj`)."""
     if not w.mixed:
         return 0, 0
+    if in_down_proj:  # Liger: the recompute's saved casts, its adapters' among them
+        adapters = layer_adapter_cast_bytes(spec, w) if w.uses_adapters else 0
+        return layer_autocast_copy_bytes(spec), layer_autocast_copy_bytes(spec) + adapters
     return layer_autocast_copy_bytes(spec), layer_autocast_copy_bytes(spec, skip=("down_proj",))
 
 

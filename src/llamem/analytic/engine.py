@@ -8,10 +8,11 @@ caches what depends on the parameters alone.
 from __future__ import annotations
 
 from llamem.analytic import llama4
-from llamem.analytic.activations import checkpointed_layer_held_bytes, stream_bytes, training_activations
+from llamem.analytic.activations import (checkpointed_layer_held_bytes, checkpointed_mlp_forward_bytes,
+                                         is_checkpointed, stream_bytes, training_activations)
 from llamem.analytic.attention_paths import attention_notes, extra_input_bytes, packed_shape
 from llamem.analytic.backward import checkpointed_backward_moments, tied_gradient_sum
-from llamem.analytic.common import add_breakdowns, r512
+from llamem.analytic.common import add_breakdowns, r512, trains_base_weights
 from llamem.analytic.compiled import compiled_training_moments
 from llamem.analytic.in_backward import (compiled_in_backward_moments, end_of_backward_moments, head_gradient_moments,
                                          layer_gradient_in_backward)
@@ -23,11 +24,12 @@ from llamem.analytic.logits import decode_logits_bytes, training_logits
 from llamem.analytic.moe import check_moe, moe_forward_stages
 from llamem.analytic.moe_backward import moe_backward_moments
 from llamem.analytic.moe_lora import adapts_experts, expert_lora_forward_moments, last_checkpointed_moe_layer
-from llamem.analytic.offload import host_phase_bytes, offload_note, offloaded_activations, offloaded_layer_moments
+from llamem.analytic.offload import (host_phase_bytes, offload_note, offloaded_activations, offloaded_layer_moments,
+                                     offloaded_mlp_forward_bytes)
 from llamem.analytic.optimizer import gradient_bytes, optimizer_phase_temporary_bytes, optimizer_state_bytes
 from llamem.analytic.prefill import prefill_moment
-from llamem.analytic.weights import (autocast_copies_in_backward_bytes, autocast_copy_bytes, frozen_base_copies,
-                                     weight_breakdown)
+from llamem.analytic.weights import (autocast_copies_in_backward_bytes, autocast_copy_bytes, checkpointed_mlp_copies,
+                                     frozen_base_copies, weight_breakdown)
 from llamem.model import ModelSpec
 from llamem.report import MemoryReport
 from llamem.workload import Workload
@@ -102,23 +104,12 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
     logits = training_logits(spec, w, distill=teacher is not None)
     inputs = {"inputs": _input_ids_bytes(w)}
     persistent = add_breakdowns(weights, state, {"gradients": grads if w.grad_accum > 1 else 0}, inputs)
-    # LoRA over fp32 weights under autocast: frozen weights' casts are not cached (`weights.py`)
-    frozen_copies = frozen_base_copies(spec, w, copies)
-    forward_copies = frozen_copies[0] if frozen_copies else copies
+    forward_copies, copies_in_backward = _phase_copies(spec, w, copies)
     forward = add_breakdowns(persistent, {"weights/autocast_copies": forward_copies + logits.forward_weight_casts,
                                 "activations": activations.forward, "logits": logits.forward_peak,
                                 "gradients": logits.forward_gradient})
-    if w.liger and w.uses_adapters:
-        forward = _worst(forward, add_breakdowns(persistent, {"weights/autocast_copies": copies},
-                                                 liger_top_layer_forward(spec, w, activations.forward)))
-    copies_in_backward = autocast_copies_in_backward_bytes(spec, w, copies) - liger_uncached_copy_bytes(spec, w)
-    if frozen_copies:
-        copies_in_backward = frozen_copies[1]
-    if llama4.is_llama4(spec):  # its experts' blocks: the worst moments of forward and backward (`llama4_moments.py`)
-        copies_in_backward = llama4.autocast_copies_in_backward_bytes(spec, w, copies)
-        forward = _worst(forward, add_breakdowns(persistent, llama4_moe_forward_moment(spec, w)))
-    if not w.offload_activations:  # a checkpointed layer's adapted experts, built whole (`moe_lora.py`)
-        forward = _worst(forward, *_expert_lora_forward(spec, w, persistent, copies))
+    forward = _worst(forward, *_layer_forward_moments(spec, w, persistent, activations.forward, forward_copies),
+                     *_expert_lora_forward(spec, w, persistent, copies))
     loss_backward = add_breakdowns(persistent, {"weights/autocast_copies": copies_in_backward,
                                       "activations": activations.backward, "logits": logits.backward_peak,
                                       "gradients": logits.forward_gradient,
@@ -126,7 +117,8 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
     layer_backward = [add_breakdowns(persistent, moment)
                       for moment in checkpointed_backward_moments(spec, w, grads, activations.layer)
                       + _moe_backward_moments(spec, w, grads)]
-    if w.liger and not w.ac_every:  # Liger's RMSNorm: the top layer's backward is worse than the loss's
+    # Liger's RMSNorm: a plain top layer's backward is worse than the loss's
+    if w.liger and not is_checkpointed(w, spec.num_layers - 1):
         layer_backward.append(add_breakdowns(persistent, {"weights/autocast_copies": copies_in_backward},
                                              liger_top_layer_backward(spec, w, activations.backward,
                                                                       stream_bytes(w, spec))))
@@ -153,11 +145,45 @@ def _training_phases(spec: ModelSpec, w: Workload, weights: dict[str, int],
             "backward": _worst(loss_backward, *layer_backward, end_of_backward), "optimizer": optimizer}
 
 
+def _phase_copies(spec: ModelSpec, w: Workload, copies: int) -> tuple[int, int]:
+    """Autocast's weight copies alive in forward and in backward: LoRA over fp32 weights caches no cast of
+    a frozen weight (`weights.frozen_base_copies`), nor does Liger's loss of the head; Llama 4's own."""
+    frozen_copies = frozen_base_copies(spec, w, copies)
+    uncached = liger_uncached_copy_bytes(spec, w)
+    if frozen_copies:
+        forward, backward = frozen_copies[0] - uncached, frozen_copies[1] - uncached
+    else:
+        forward, backward = copies, autocast_copies_in_backward_bytes(spec, w, copies) - uncached
+    if llama4.is_llama4(spec):
+        backward = llama4.autocast_copies_in_backward_bytes(spec, w, copies)
+    return forward, backward
+
+
+def _layer_forward_moments(spec: ModelSpec, w: Workload, persistent: dict[str, int], forward_activation_bytes: int,
+                           forward_copies: int) -> list[dict[str, int]]:
+    """The forward's moments inside a layer: the top checkpointed layer's MLP, an adapted Liger model's top
+    layer, Llama 4's experts' block (`llama4_moments.py`)."""
+    moments = []
+    if w.ac_every and not spec.is_moe:
+        mlp_copies = checkpointed_mlp_copies(spec, w) if trains_base_weights(w) else forward_copies
+        held = checkpointed_mlp_forward_bytes(spec, w)
+        if w.offload_activations:
+            held = offloaded_mlp_forward_bytes(spec, w, held)
+        moments.append(add_breakdowns(persistent, {"weights/autocast_copies": mlp_copies, "activations": held}))
+    if w.liger and w.uses_adapters:
+        moments.append(add_breakdowns(persistent, {"weights/autocast_copies": forward_copies},
+                                      liger_top_layer_forward(spec, w, forward_activation_bytes)))
+    if llama4.is_llama4(spec):
+        moments.append(add_breakdowns(persistent, llama4_moe_forward_moment(spec, w)))
+    return moments
+
+
 def _expert_lora_forward(spec: ModelSpec, w: Workload, persistent: dict[str, int],
                          copies: int) -> list[dict[str, int]]:
-    """The forward's moments in the highest checkpointed MoE layer with adapted experts (none without)."""
+    """The forward's moments in the highest checkpointed MoE layer with adapted experts (none without; nor
+    with offloaded activations)."""
     index = last_checkpointed_moe_layer(spec, w)
-    if index is None:
+    if index is None or w.offload_activations:
         return []
     held = checkpointed_layer_held_bytes(spec, w, index)
     stages = moe_forward_stages(spec, w, w.batch * w.seq)

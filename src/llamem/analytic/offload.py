@@ -65,12 +65,19 @@ def offloaded_layer_moments(spec: ModelSpec, w: Workload, moments: list[dict[str
     input) and pure bf16/fp16 frees with the recomputation (nothing recomputed saves it). Traced:
     tests/test_offload.py."""
     stream = stream_bytes(w, spec)
-    fp32_stream = w.mixed or w.compute_dtype == "fp32"
-    kept = _inputs_kept_on_device(w) + int(fp32_stream) - 1
+    input_saved = w.mixed or w.compute_dtype == "fp32" or w.liger  # Liger's RMSNorm keeps its input too
+    kept = _inputs_kept_on_device(w) + int(input_saved) - 1
     out = []
     for moment, index in zip(moments, (spec.num_layers - 1, 0)):
         out.append({**moment, "activations": moment.get("activations", 0) + (kept - index) * stream})
     return out
+
+
+def offloaded_mlp_forward_bytes(spec: ModelSpec, w: Workload, held_bytes: int) -> int:
+    """`activations.checkpointed_mlp_forward_bytes` with the inputs of the layers below on the host, but
+    layer 0's: the embedding's output lives on until the decoder returns."""
+    top = (spec.num_layers - 1) // w.ac_every * w.ac_every
+    return held_bytes - max(top - 1, 0) * stream_bytes(w, spec)
 
 
 def _inputs_kept_on_device(w: Workload) -> int:

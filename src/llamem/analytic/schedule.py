@@ -6,9 +6,10 @@ through each layer (matches the traced replay's reserved memory); training op by
 forward, a checkpoint's recomputation (which stops at its last saved tensor) and autograd's
 backward (`schedule_train.py`), the loss in `ForCausalLMLoss` or torchtune's chunked order,
 the optimizer's state created in the first step. Two training steps are replayed so that the
-second sees the cache the first left. For LoRA, QLoRA and bf16 training with checkpointing it
-reserves what the traced replay reserves (tests/test_schedule.py); other modes are within a
-few per cent. Fragmentation from it is an estimate, and the report says so.
+second sees the cache the first left. For LoRA, QLoRA, bf16 training with checkpointing and
+bf16 autocast training without it, it reserves what the traced replay reserves
+(tests/test_schedule.py); other modes are within a few per cent. Fragmentation from it is an
+estimate, and the report says so.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from llamem.analytic.common import r512, trains_base_weights
 from llamem.analytic.kv_cache import kv_layer_tensor_bytes, stored_tokens
 from llamem.analytic.optimizer import BNB_BLOCK, BNB_MIN_8BIT_SIZE, adafactor_state_tensors, has_step_temporaries
 from llamem.analytic.prefill import masked_sdpa_sizes
-from llamem.analytic.schedule_train import LayerTape, backward_layer, forward_layer, norm_backward, norm_forward
+from llamem.analytic.schedule_train import (LayerTape, backward_layer, forward_layer, hand_stream_to_norm,
+                                            norm_backward, norm_forward)
 from llamem.analytic.selective import selective_kept_sizes
 from llamem.analytic.weights import linear_weight_bytes, trainable_numels, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
@@ -138,12 +140,15 @@ def _loop_step(ev: Events, grad_sizes: list[int]) -> None:
 
 
 def _loss(ev: Events, spec: ModelSpec, w: Workload, unit_h: int, hidden: int | None,
-          head_trains: bool) -> tuple[list[int], list[int]]:
+          head_trains: bool, stream_end: list[int]) -> tuple[list[int], list[int]]:
     """ForCausalLMLoss forward and backward, in order (chunked: torchtune's chunks). Returns
-    the head's weight gradient when the chunked loss makes it (otherwise the caller does), and
-    the gradient of the hidden states."""
+    the head's weight gradient when the loss makes it (chunked, autocast; otherwise the caller does),
+    and the gradient of the hidden states. `stream_end`: what the model's output holds (autocast's
+    fp32 cache keys), dropped with the logits."""
     if w.loss == "chunked":
         return _chunked_loss(ev, spec, w, hidden, head_trains)
+    if w.mixed:
+        return _autocast_full_loss(ev, spec, w, hidden, head_trains, stream_end)
     ev.free([hidden] if hidden is not None else [])
     T = w.batch * w.seq
     TV = T * spec.vocab_size
@@ -166,6 +171,36 @@ def _loss(ev: Events, spec: ModelSpec, w: Workload, unit_h: int, hidden: int | N
     ev.free(logits_grad + head_casts)
     ev.projection("lm_head", hidden_grad[0], backward=True)
     return [], hidden_grad
+
+
+def _autocast_full_loss(ev: Events, spec: ModelSpec, w: Workload, hidden: int | None, head_trains: bool,
+                        stream_end: list[int]) -> tuple[list[int], list[int]]:
+    """ForCausalLMLoss under bf16 autocast (traced on transformers 5.x): the head's casts, bf16 logits,
+    their fp32 upcast and log-softmax; the hidden states and the model's output die after the loss. Backward:
+    the head's bf16 weight and input gradients, then the input cast's backward and the weight cast's (fp32)."""
+    T, h, V = w.batch * w.seq, spec.hidden_size, spec.vocab_size
+    casts = ev.alloc([r512(2 * V * h), r512(2 * T * h)])  # the weight's and the input's
+    logits = ev.alloc([r512(2 * T * V)])
+    upcast = ev.alloc([r512(4 * T * V)])
+    log_softmax = ev.alloc([r512(4 * T * V)])
+    ev.free(upcast + logits)
+    ev.mark("forward_done", "model")  # (a rank's loss rebuilds the events from the logits on)
+    ev.free(([hidden] if hidden is not None else []) + stream_end)
+    del stream_end[:]  # freed here, not again by the caller
+    nll_grad = ev.alloc([r512(4 * T * V)])
+    softmax_grad = ev.alloc([r512(4 * T * V)])
+    ev.free(nll_grad + log_softmax)
+    logits_grad = ev.alloc([r512(2 * T * V)])
+    ev.free(softmax_grad)
+    low_weight_grad = ev.alloc([r512(2 * V * h)]) if head_trains else []
+    low_hidden_grad = ev.alloc([r512(2 * T * h)])
+    ev.free(logits_grad + casts)
+    hidden_grad = ev.alloc([r512(4 * T * h)])  # the input cast's backward
+    ev.free(low_hidden_grad)
+    ev.projection("lm_head", hidden_grad[0], backward=True)
+    head_grad = ev.alloc([r512(4 * V * h)]) if head_trains else []  # the weight cast's backward
+    ev.free(low_weight_grad)
+    return head_grad, hidden_grad
 
 
 def chunk_lengths(length: int, chunks: int) -> list[int]:
@@ -329,6 +364,8 @@ def _forward_layers(ev: Events, spec: ModelSpec, w: Workload, embeds: int, kept:
         ev.mark("forward", index)
         tape = LayerTape(ev, index, no_grad=checkpointed)
         output = forward_layer(tape, spec, w, index, stream_end)
+        if w.mixed and not w.ac_every:
+            hand_stream_to_norm(tape, "norm1", tapes[-1] if tapes else None, x)
         ev.mark("forward_done", index)
         if checkpointed:  # nothing saved; the checkpoint keeps the layer's input
             tape = None
@@ -357,16 +394,23 @@ def _head_and_loss(ev: Events, spec: ModelSpec, w: Workload, x: int, embeds: int
                           out_keep=train_all and not w.mixed and w.loss != "chunked")
     if _fp32_stream(w) and spec.num_layers and tapes[-1] is None:
         final.saved["norm.input"] = x  # the fp32 stream itself is what the norm saves
+    elif w.mixed and spec.num_layers and not w.ac_every:
+        hand_stream_to_norm(final, "norm", tapes[-1], x)
     elif x != embeds and not _fp32_stream(w):
         ev.free([x])  # the model's reference to the last layer's output is replaced
     head_grad, hidden_grad = _loss(ev, spec, w, r512((2 if w.mixed else e) * T * h),
-                                   None if "norm.out" in final.saved else hidden, train_all)
+                                   None if "norm.out" in final.saved else hidden, train_all, stream_end)
     ev.mark("backward", "head")
     ev.free(stream_end)
     final.release("norm.out")
     tied_grad = head_grad if head_grad and not spec.lm_head_params else []
-    grads = (head_grad if spec.lm_head_params else []) + ev.alloc(head[:1] if head_grad else head)
-    grad = norm_backward(final, T, h, e, w.mixed, train_all, hidden_grad[0])
+    grads = list(head_grad) if spec.lm_head_params else []
+    if w.mixed and w.loss != "chunked":  # autocast: the norm's weight gradient is made amid its backward
+        grad = norm_backward(final, T, h, e, True, train_all, hidden_grad[0],
+                             weight_grad=(head[0], grads) if train_all else None)
+    else:
+        grads = grads + ev.alloc(head[:1] if head_grad else head)
+        grad = norm_backward(final, T, h, e, w.mixed, train_all, hidden_grad[0])
     final.release_all()
     ev.mark("backward_done", "head", grads)
     return grads, grad, tied_grad
@@ -385,6 +429,8 @@ def _backward_layers(ev: Events, spec: ModelSpec, w: Workload, tapes: list[Layer
         if tape is None:  # recompute the checkpointed layer (up to its last saved tensor)
             ev.free(kept.pop(index, []))
             tape = LayerTape(ev, index, recompute=True)
+            if w.mixed:  # autograd casts the output's gradient for down_proj before the checkpoint recomputes
+                tape.grad_cast = ev.alloc([r512(2 * w.batch * w.seq * spec.hidden_size)])[0]
             output = forward_layer(tape, spec, w, index, [])
             ev.free([output] if output is not None else [])
         grad = backward_layer(tape, spec, w, grads, grad)

@@ -13,10 +13,11 @@ autocast casts of o_proj's and down_proj's inputs (bf16 already: their matmuls k
   backward) and its positions (dropped when the stage's forward returns);
 - the first stage's embedding output, alive until its micro-batch's backward is done; every other stage's
   input is its receive buffer (`_setup_forward_recv_info`: one per micro-batch, made on the first step
-  and kept), whose gradient (the one sent back) lives until the next step clears it
-  (`clear_runtime_states`);
-- a stage's output stays in `fwd_cache` until its micro-batch's backward; the output's gradient arrives
-  in a kept buffer (one per micro-batch, `_create_grad_recv_info`);
+  and kept), whose gradient (the one sent back) the backward takes off the buffer (`stage_backward` sets
+  `.grad` to None) into the send's ops and work (`send_releases`);
+- a stage's output stays in `fwd_cache` until its micro-batch's backward and in its send's ops and work
+  until the schedule lets go of them (`send_releases`); the output's gradient arrives in a kept buffer (one
+  per micro-batch, `_create_grad_recv_info`);
 - the last stage: the final norm, the head under autocast (the weight's cast per micro-batch), the logits
   kept in `output_chunks` until the next step (and concatenated once the step is done: what `step()`
   returns), and the bundle's loss (`cross_entropy` of the fp32 upcast,
@@ -33,9 +34,10 @@ stage only the ones of its output's gradient; everything but the buffers is free
 
 Left out: the pipeline's and the step's 512-byte bookkeeping tensors (pickled shape metadata, the losses'
 mean, gradient clipping's norms). On the 2-stage CPU run of the launch bundle each stage's schedule reserves
-what the stage's recorded events reserve and peaks where they peak, at the same bytes (the first stage one
-such 512-byte tensor lower; tests/test_bundle_pipeline.py). Built for bf16/fp16 autocast with AdamW (foreach or fused) or SGD and
-untied embeddings without checkpointing (`schedule_ranks.rank_schedule_kind` says which layouts).
+what the stage's recorded events reserve and peaks where they peak: with 2 micro-batches at the same bytes (the
+first stage one such 512-byte tensor lower; tests/test_bundle_pipeline.py); with 4 (1F1B's steady state) both
+stages at the same bytes (tests/test_pipeline_many_microbatches.py). Built for bf16/fp16 autocast with AdamW (foreach or fused) or SGD
+and untied embeddings without checkpointing (`schedule_ranks.rank_schedule_kind` says which layouts).
 """
 
 from __future__ import annotations
@@ -126,20 +128,15 @@ class MicroBatch:
 
 def layer_without_cache(ev: StageEvents, spec: ModelSpec, w: Workload, index: int) -> tuple[LayerTape, int]:
     """A decoder layer's forward as a stage calls it (no past_key_values) and as autocast runs it: the single-
-    GPU layer less its cache copies of K and V (SDPA keeps V itself) and less the input casts of o_proj and
-    down_proj, whose inputs (SDPA's output, the SwiGLU product) are bf16 already and kept by their matmuls."""
+    GPU layer less its cache copies of K and V (SDPA keeps V itself)."""
     start, stream_end = len(ev.events), []
     tape = LayerTape(ev, index)
     output = forward_layer(tape, spec, w, index, stream_end)
     cache_k = stream_end[0]  # the fp32 K copy under autocast; V's copy is made right after it
-    down_cast = tape.saved.pop("down_proj.cast")
-    product = down_cast - 2  # made just before down_proj's weight copy and its input cast
-    gone = {cache_k, cache_k + 1, tape.saved.pop("o_proj.cast"), down_cast}
-    alive = {ev.v_out, product}
+    gone, alive = {cache_k, cache_k + 1}, {ev.v_out}
     ev.events[start:] = [e for e in ev.events[start:]
                          if e.addr not in gone and not (e.action == "free" and e.addr in alive)]
     tape.saved = {name: ev.v_out if tensor == cache_k + 1 else tensor for name, tensor in tape.saved.items()}
-    tape.saved.update({"o_proj.cast": tape.saved["attention"], "down_proj.cast": product})
     return tape, output
 
 
@@ -220,8 +217,9 @@ def head_backward(ev: StageEvents, spec: ModelSpec, w: Workload, mb: MicroBatch,
 def backward_microbatch(ev: StageEvents, spec: ModelSpec, w: Workload, place: StagePlace, mb: MicroBatch,
                         grad_buffer: int | None, accumulate: bool) -> tuple[int | None, list[int]]:
     """One micro-batch's backward through the stage (on the first stage the embedding's too). Returns a
-    non-first stage's input gradient (the one sent back) and the weight gradients made. `accumulate`: the
-    step's gradients exist: these are added to them in place and freed at once."""
+    non-first stage's input gradient (the one sent back) and the weight gradients made; the stage's output
+    (`mb.output`) is the caller's to free. `accumulate`: the step's gradients exist: these are added to them
+    in place and freed at once."""
     start, grads = len(ev.events), []
     grad = head_backward(ev, spec, w, mb, grads) if place.last else grad_buffer
     for index in reversed(range(spec.num_layers)):
@@ -232,7 +230,6 @@ def backward_microbatch(ev: StageEvents, spec: ModelSpec, w: Workload, place: St
         grads += ev.alloc([r512(DTYPE_BYTES[w.weight_dtype] * spec.embedding_params)])
         ev.free([grad, mb.stage_input])
         grad = None
-    ev.free([mb.output] if mb.output is not None else [])
     ev.free([mb.head["ones"]] if place.last else [])  # the loss's gradient dies with autograd's backward
     if accumulate:
         free_at_once(ev, start, grads)
@@ -274,17 +271,47 @@ def infer_shapes(ev: StageEvents, spec: ModelSpec, w: Workload, place: StagePlac
         ones = [] if place.last else ev.alloc([hidden_bytes(spec, w)])
         sent, _grads = backward_microbatch(ev, spec, w, place, mb, ones[0] if ones else None, accumulate=True)
         # The ones (a middle stage's output gradient) died in the backward; the rest is dropped now.
-        ev.free([sent] + empty + [mb.head.get(name) for name in ("logits", "loss") if mb.head])
+        ev.free([sent] + empty + [mb.head.get(name) for name in ("logits", "loss") if mb.head]
+                + ([mb.output] if mb.output is not None else []))
     if not place.last:
         buffers.output_grads = ev.keep([hidden_bytes(spec, w)] * place.microbatches)
     return buffers
 
 
+def send_releases(place: StagePlace) -> dict[tuple[str, int], list[tuple[str, int]]]:
+    """After which action the stage lets go of each micro-batch's output ("output", a non-last stage's, sent
+    forward) and of its input's gradient ("grad", a non-first stage's, sent back): a sent tensor lives while
+    the schedule's ops or work name it (a gloo work holds its tensor, as the CPU run shows; a NCCL work is
+    taken to as well), an output also until its backward (`fwd_cache`). `Schedule1F1B._step_microbatches`
+    replaces `fwd_sends` at the next forward and `bwd_sends` after the next backward; the warm-up's last fired
+    `send_work` (output p - s - 2) lives until the steady state ends; what is named last lives until the step's
+    micro-batches are done. GPipe keeps every send's work until then (`fwd_sends_to_wait`, `bwd_sends_to_wait`)."""
+    order = action_order(place)
+    M, end = place.microbatches, order[-1]
+    gpipe = place.schedule == "gpipe" or M < place.stages
+    warmup = min(M, place.stages - place.stage)
+    releases: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for index in range(M):
+        if not place.last:
+            if gpipe or index == M - 1:
+                sent = end
+            elif index == warmup - 2:  # the warm-up's last fired `send_work`, replaced once the steady state ends
+                sent = ("B", M - warmup)
+            else:  # `fwd_sends` replaced at the next forward, before this micro-batch's backward
+                sent = ("B", index)
+            releases.setdefault(max(("B", index), sent, key=order.index), []).append(("output", index))
+        if not place.first:
+            releases.setdefault(end if gpipe or index == M - 1 else ("B", index + 1), []).append(("grad", index))
+    return releases
+
+
 def run_schedule(ev: StageEvents, spec: ModelSpec, w: Workload, place: StagePlace,
                  buffers: Buffers) -> tuple[list[int], list[int], list[int]]:
-    """One schedule step over the micro-batches. Returns what the stage keeps until the next step (the sent
-    gradients, the last stage's logits), the step's gradients, and the losses."""
+    """One schedule step over the micro-batches. Returns what the stage keeps until the next step (the last
+    stage's logits), the step's gradients, and the losses."""
     forwards: dict[int, MicroBatch] = {}
+    sent: dict[tuple[str, int], int] = {}
+    releases = send_releases(place)
     grads: list[int] = []
     kept: list[int] = []
     losses: list[int] = []
@@ -292,15 +319,19 @@ def run_schedule(ev: StageEvents, spec: ModelSpec, w: Workload, place: StagePlac
         if action == "F":
             forwards[index] = forward_microbatch(ev, spec, w, place,
                                                  None if place.first else buffers.inputs[index])
-            continue
-        mb = forwards.pop(index)
-        grad_buffer = None if place.last else buffers.output_grads[index]
-        sent, made = backward_microbatch(ev, spec, w, place, mb, grad_buffer, accumulate=bool(grads))
-        grads = grads or made
-        kept += [sent] if sent is not None else []
-        if place.last:
-            kept.append(mb.head["logits"])
-            losses.append(mb.head["loss"])
+            if not place.last:
+                sent["output", index] = forwards[index].output
+        else:
+            mb = forwards.pop(index)
+            grad_buffer = None if place.last else buffers.output_grads[index]
+            grad, made = backward_microbatch(ev, spec, w, place, mb, grad_buffer, accumulate=bool(grads))
+            grads = grads or made
+            if grad is not None:
+                sent["grad", index] = grad
+            if place.last:
+                kept.append(mb.head["logits"])
+                losses.append(mb.head["loss"])
+        ev.free([sent.pop(tensor) for tensor in releases.get((action, index), [])])
     return kept, grads, losses
 
 
@@ -323,7 +354,7 @@ def stage_schedule(spec: ModelSpec, w: Workload, place: StagePlace) -> list[Allo
         ids = ev.alloc([r512(8 * tokens)] + ([r512(8 * (tokens + place.microbatches * w.batch))] if place.last
                                               else []))
         buffers = buffers or infer_shapes(ev, spec, w, place)
-        ev.free(kept)  # clear_runtime_states: the last step's outputs and sent gradients
+        ev.free(kept)  # clear_runtime_states: the last step's outputs
         kept, grads, losses = run_schedule(ev, spec, w, place, buffers)
         if place.last:  # `step()` returns the micro-batches' logits concatenated (`merge_chunks`); dropped
             ev.free(ev.alloc([r512(2 * place.microbatches * w.batch * w.seq * spec.vocab_size)]))
@@ -335,11 +366,25 @@ def stage_schedule(spec: ModelSpec, w: Workload, place: StagePlace) -> list[Allo
 
 
 PIPELINE_OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
-MICROBATCHES_PER_STAGE = 1
-"""Stage schedules are replayed up to this many micro-batches per stage: a stage of ceil(L / p) layers then
-replays no more layer steps than the whole model's one-GPU schedule, so an estimate stays as quick (8B on 2
-stages with 8 micro-batches: 30 s instead of 3). Beyond, the first stage's share replays as one GPU, which
-errs on the large side (108.76 GiB reserved against the stage schedules' 107.86 there)."""
+MICROBATCHES_PER_STAGE = 2
+"""Stage schedules are replayed up to this many micro-batches per stage (M <= 2p); beyond, the first stage's
+share replays as one GPU, which errs on the large side. A stage's replay grows with its layers x micro-batches
+(ceil(L / p) x M layer passes a step, each probe and each sized stage searched on the smallest card): at 2 per
+stage that is about twice the whole model's one-GPU schedule. Measured on 2 CPU cores shared with other work
+(`estimate_report` from a fresh process, the figures of `llamem estimate MODEL --task train --batch 1 --seq 4096
+--grad-accum M --precision bf16-mixed --optimizer adamw --gpus P --pp P`; the lower end when the cores were
+quiet, the CLI adds about 0.4 s):
+
+    llama-3.1-8b, pp 2    M=2: 1.2-1.9 s   M=4: 2.8-4.5 s   M=8: 4.2-5.6 s   M=16: 7.7-9.5 s   one GPU: 0.65 s
+    llama-2-70b,  pp 8    M=8: 3.2-3.5 s   M=16: 7.7-8.4 s  M=32: 15.3 s                      one GPU: 3.9 s
+    the one-GPU replay of the first stage's share instead: 0.2-0.4 s at any M
+
+so 4 per stage would cost 15 s for a 70B; 2 keeps an estimate within about twice its one-GPU time. What the
+fallback costs in accuracy (peak reserved): 8B pp 2, M=4 108.51 GiB against the stage schedules' 107.56, M=8
+108.76 against 107.84, M=16 109.78 against 109.11; 70B pp 8, M=16 428.07 against 416.03. `llamem plan` never
+replays a stage schedule in `benchmarks/plan_speed.py` (its pipeline layouts are tp x8, pp and pure bf16:
+`pipeline_schedulable` needs tp 1 and autocast), nor in the 8B autocast plans tried on 2-8 GPUs (none confirms a
+pipeline layout), so the planner's speed does not depend on this limit."""
 
 
 def pipeline_schedulable(spec: ModelSpec, w: Workload, layout) -> bool:

@@ -52,8 +52,9 @@ all-gather or, in some runs, just after it (then up to one unit's all-gather abo
   column-parallel input's gradient in backward (q, k, v, gate, up, lm_head: each reduced on its own, by
   `DTensor.from_local`'s backward, before they are summed); DTensor computes the embedding's gradient for
   the whole vocabulary (no vocabulary-sharded strategy for `embedding_dense_backward`), alive until
-  `zero_grad` (V rounded up to a multiple of tp). With data-parallel replicas, DDP's buckets on the shards
-  too (not run by the bundle, which emits no 2-D meshes).
+  `zero_grad` (V rounded up to a multiple of tp); the loss on the vocabulary shards as torch's `loss_parallel`
+  runs it (`llamem.analytic.loss_parallel.LossParallelEvents`). With data-parallel replicas, DDP's buckets on
+  the shards too (not run by the bundle, which emits no 2-D meshes).
 
 - DeepSpeed ZeRO-1 and ZeRO-2 (the launch bundle's ds_config.json, bf16): `llamem.analytic.schedule_deepspeed`.
 
@@ -74,6 +75,7 @@ from typing import Literal
 
 from llamem.allocator.replay import AllocEvent
 from llamem.analytic.common import r512
+from llamem.analytic.loss_parallel import LossParallelEvents, runs_loss_parallel
 from llamem.analytic.optimizer import has_step_temporaries
 from llamem.analytic.schedule import (Events, LiveEvents, optimizer_state_tensors, training_schedule,
                                      training_steps)
@@ -216,13 +218,18 @@ class TpEvents(DdpEvents):
     copies of row-parallel outputs and column-parallel input gradients, the whole-vocabulary embedding
     gradient. A tensor replaced by a copy is freed where the schedule frees the original."""
 
-    def __init__(self, param_bytes: list[int], replicas: int, whole_embedding_bytes: int) -> None:
+    def __init__(self, param_bytes: list[int], replicas: int, whole_embedding_bytes: int,
+                 loss: LossParallelEvents | None = None) -> None:
         super().__init__(param_bytes)
         self.replicas, self.whole_embedding_bytes = replicas, whole_embedding_bytes
         self.sizes: dict[int, int] = {}
         self.replaced: dict[int, int] = {}
+        self.loss = loss
+        """The loss as torch's `loss_parallel` runs it (None: transformers' loss, as the schedule replays it)."""
 
     def alloc(self, sizes: list[int], stream: int = 0) -> list[int]:
+        if self.loss is not None and self.loss.pending:  # the loss's gradients: loss_parallel's fused backward
+            return self.loss.gradient(self, sizes)
         ids = super().alloc(sizes, stream)
         self.sizes.update(zip(ids, (size for size in sizes if size > 0)))
         return ids
@@ -241,7 +248,9 @@ class TpEvents(DdpEvents):
             self.replace(tensor, self.sizes[tensor])
 
     def mark(self, point: str, unit: int | str | None = None, grads: list[int] | None = None) -> None:
-        if point == "backward_done" and unit == "embed" and grads and self.whole_embedding_bytes:
+        if point == "forward_done" and unit == "model" and self.loss is not None:
+            self.loss.forward_done(self)
+        elif point == "backward_done" and unit == "embed" and grads and self.whole_embedding_bytes:
             # DTensor's embedding backward runs replicated: the whole V x h gradient, the shard a view of it.
             self.replace(grads[0], self.whole_embedding_bytes)
         elif self.replicas > 1:
@@ -250,10 +259,12 @@ class TpEvents(DdpEvents):
 
 def tp_schedule(spec: ModelSpec, w: Workload, layout: Layout) -> list[AllocEvent]:
     """The single-GPU schedule of the rank's share (`spec`: `llamem.parallel.shard_spec`) with the
-    collectives' copies and the whole embedding gradient (`parallel.add_whole_embedding_gradient`'s)."""
+    collectives' copies, the whole embedding gradient (`parallel.add_whole_embedding_gradient`'s) and the loss
+    as torch's `loss_parallel` runs it (`llamem.analytic.loss_parallel`)."""
     element = DTYPE_BYTES[w.weight_dtype]
     whole = r512(element * spec.vocab_size * layout.tp * spec.hidden_size) if not spec.tie_word_embeddings else 0
-    ev = TpEvents([element * n for n in trainable_numels(spec, w)], layout.dp, whole)
+    loss = LossParallelEvents(spec, w) if runs_loss_parallel(w, layout) else None
+    ev = TpEvents([element * n for n in trainable_numels(spec, w)], layout.dp, whole, loss)
     return training_schedule(spec, w, ev)
 
 

@@ -5,7 +5,9 @@ forward keeps what autograd saves, by name, and frees the rest where the code dr
 inside a checkpoint nothing is saved, and its recomputation stops once the last saved
 tensor exists, as torch's non-reentrant checkpoint does; backward frees each saved tensor
 where autograd is done with it. Three modes: pure precision (bf16/fp16/fp32), bf16 autocast
-with fp32 weights (its backward is the least exact part), and LoRA/QLoRA on a frozen base.
+with fp32 weights (casts only of fp32 inputs; each linear's backward makes the bf16 gradients, lets go
+of what it saved, then runs the input cast's backward and the weight cast's), and LoRA/QLoRA on a
+frozen base.
 Used only to replay through the allocator simulator.
 """
 
@@ -31,6 +33,10 @@ class LayerTape:
         """Inside a checkpoint's forward nothing is saved."""
         self.recompute = recompute
         """A checkpoint's recomputation stops once the last saved tensor exists."""
+        self.forward_end: list[int] = []
+        """What lives until the end of the model's forward (autocast's weight casts inside a checkpoint)."""
+        self.grad_cast: int | None = None
+        """Autocast: down_proj's bf16 cast of the stream's gradient, made before a checkpoint's recomputation."""
 
     def new(self, size: int) -> int | None:
         return self.ev.alloc([r512(size)])[0] if size > 0 else None
@@ -78,15 +84,29 @@ def norm_forward(tape: LayerTape, T: int, h: int, e: int, mixed: bool, input_rg:
     return out
 
 
+def hand_stream_to_norm(tape: LayerTape, prefix: str, previous: LayerTape | None, stream: int) -> None:
+    """Autocast without checkpointing: the norm that reads the fp32 stream (the previous layer's output or the
+    embedding's) is what saves it, and its backward lets it go; the layer that made it no longer keeps it."""
+    tape.saved[f"{prefix}.input"] = stream
+    if previous is not None:
+        previous.saved.pop("h2", None)
+
+
 def norm_backward(tape: LayerTape, T: int, h: int, e: int, mixed: bool, weight_trains: bool, grad: int,
-                  prefix: str = "norm") -> int:
+                  prefix: str = "norm", *, residual: int | None = None,
+                  weight_grad: tuple[int, list[int]] | None = None) -> int:
     """LlamaRMSNorm's backward op by op (traced on transformers 5.x): returns the input's
-    gradient. Pure bf16/fp16 upcasts the gradient, works in fp32 and casts the result back."""
+    gradient. Pure bf16/fp16 upcasts the gradient, works in fp32 and casts the result back.
+    `residual`: the stream's gradient, which autograd sums the input's into as each part of it comes (an
+    fp32 input's: autocast). `weight_grad`: (bytes, gradients) to make the weight's where autograd sums it."""
     ev = tape.ev
     low = e < 4 and not mixed
     scaled = tape.new((e if low else 4) * T * h)  # grad * weight
     if weight_trains:
-        ev.free([tape.new((e if low else 4) * T * h)])  # grad * normed, summed into the weight's gradient
+        by_normed = tape.new((e if low else 4) * T * h)  # grad * normed, summed into the weight's gradient
+        if weight_grad is not None:
+            weight_grad[1].append(tape.new(weight_grad[0]))
+        ev.free([by_normed])
         tape.release(f"{prefix}.cast", f"{prefix}.normed")
     ev.free([grad])
     if low:
@@ -95,6 +115,10 @@ def norm_backward(tape: LayerTape, T: int, h: int, e: int, mixed: bool, weight_t
         scaled = upcast
     first, by_input = tape.new(4 * T * h), tape.new(4 * T * h)
     ev.free([first, scaled])
+    if residual is not None:  # the stream's gradient plus the input's first part
+        summed = tape.new(4 * T * h)
+        ev.free([residual, by_input])
+        by_input = summed
     tape.release(f"{prefix}.rsqrt")
     spread = [tape.new(4 * T * h) for _ in range(4)]
     ev.free(spread[2:0:-1])
@@ -138,6 +162,28 @@ def _rope_backward(tape: LayerTape, size: int, half: int, grad: int) -> int:
     return out
 
 
+def _autocast_rope_backward(tape: LayerTape, size: int, grad: int) -> int:
+    """apply_rotary_pos_emb's backward under autocast, from the fp32 gradient (`size` bytes) of its fp32 output:
+    each product's gradient cast back to the bf16 projection's dtype, rotate_half's backward in bf16, the sum."""
+    ev, low_size = tape.ev, size // 2
+    by_sin = tape.new(size)
+    sin_cast = tape.new(low_size)
+    ev.free([by_sin])
+    neg = tape.new(low_size // 2)
+    low = tape.new(low_size)
+    ev.free([neg])
+    high = tape.new(low_size)
+    ev.free([sin_cast])
+    rotated = tape.new(low_size)
+    ev.free([low, high])
+    by_cos = tape.new(size)
+    cos_cast = tape.new(low_size)
+    ev.free([by_cos, grad])
+    out = tape.new(low_size)
+    ev.free([rotated, cos_cast])
+    return out
+
+
 class _Stop(Exception):
     """A checkpoint's recomputation reached its last saved tensor."""
 
@@ -148,6 +194,7 @@ def forward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, index: int, str
     `stream_end`. Without a cache (checkpointing), SDPA runs causal on K and V as RoPE and v_proj made
     them or, when the mask is materialised (`uncached_mask`), gets it, and with grouped-query attention
     K and V repeated to every head."""
+    tape.forward_end = stream_end
     try:
         return _forward_layer(tape, spec, w, index, stream_end)
     except _Stop:
@@ -179,7 +226,7 @@ def _linear_forward(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act.La
     fan_in, fan_out = spec.layer_linear_shapes()[name]
     T = w.batch * w.seq
     if w.mixed:
-        return _autocast_linear(tape, name, T, fan_in, fan_out, x_rg or flags.train_all, flags.train_all)
+        return _autocast_linear(tape, name, T, (fan_in, fan_out), x_rg or flags.train_all, flags.train_all)
     dequant = tape.new(2 * fan_in * fan_out) if w.quant != "none" else None
     base = tape.new(act.compute_bytes(w) * T * fan_out)
     tape.drop(dequant)
@@ -188,15 +235,24 @@ def _linear_forward(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act.La
     return _lora_linear(tape, w, name, fan_in, fan_out, base)
 
 
-def _autocast_linear(tape: LayerTape, name: str, T: int, fan_in: int, fan_out: int, copy_kept: bool,
+BF16_INPUT_LINEARS = ("o_proj", "down_proj")
+"""Under autocast these read a bf16 tensor (attention's output, SwiGLU's product), which autocast does not
+cast again; the others read the fp32 RMSNorm output."""
+
+
+def _autocast_linear(tape: LayerTape, name: str, T: int, shape: tuple[int, int], copy_kept: bool,
                      trains: bool) -> int:
     """bf16 autocast: the weight's cast (cached for the step; autograd keeps it for the input's
-    gradient), the input's cast (kept for the weight's), the bf16 output."""
+    gradient), the input's cast where the input is fp32 (kept for the weight's), the bf16 output."""
+    fan_in, fan_out = shape
     copy = tape.new(2 * fan_in * fan_out)
-    cast = tape.new(2 * T * fan_in)
+    cast = tape.new(2 * T * fan_in) if name not in BF16_INPUT_LINEARS else None
     out = tape.new(2 * T * fan_out)
     tape.save(f"{name}.copy", copy, copy_kept)
     tape.save(f"{name}.cast", cast, trains)
+    if tape.no_grad:  # inside a checkpoint: autocast's cache keeps the weight's cast until the forward ends
+        tape.forward_end.append(copy)
+        copy = None
     tape.drop(copy, cast)
     return out
 
@@ -231,16 +287,22 @@ def _attention_forward(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act
                            for n in ("q_proj", "k_proj", "v_proj"))
     q_rot, k_rot = _rope_qk(tape, spec, w, q_out, k_out)
     key, value, mask = _attention_keys(tape, spec, w, attn_rg, k_rot, v_out, stream_end)
+    if w.mixed and not w.ac_every:  # autocast: the cache's copies are made, RoPE's K and v_proj's V die
+        tape.drop(k_rot, v_out)
+        k_rot = v_out = None
     query = q_rot
     if w.mixed:  # SDPA's bf16 casts of the fp32 RoPE outputs
         key = tape.new(2 * T * kv)
         query = tape.new(2 * T * q)
     attention, lse = _sdpa(tape, spec, w, attn_rg, (query, key, value, mask), k_rot)
-    tape.save("o_proj.in", attention, flags.train_all and not w.mixed)
+    if w.mixed and (tape.no_grad or not attn_rg):  # nothing keeps the casts or the logsumexp: they die with SDPA
+        tape.drop(lse, query, key)
+        lse = query = key = None
+    tape.save("o_proj.in", attention, flags.train_all)
     o = _linear(tape, spec, w, flags, "o_proj")
     tape.drop(attention, lse, mask, query, q_rot, key, value, k_rot, v_out, y)
     h1 = tape.new((4 if w.mixed else act.compute_bytes(w)) * T * spec.hidden_size)
-    tape.save("h1", h1, w.mixed or act.compute_bytes(w) == 4)
+    tape.save("norm2.input" if w.mixed and not w.ac_every else "h1", h1, w.mixed or act.compute_bytes(w) == 4)
     tape.drop(o)
     return h1
 
@@ -306,6 +368,9 @@ def _mlp_forward(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act.Layer
                       prefix="norm2")
     product = _swiglu(tape, spec, w, flags)
     if tape.recompute and "down_proj" not in flags.targets:
+        if mixed:  # down_proj's weight cast is the last tensor it saves
+            fan_in, fan_out = spec.layer_linear_shapes()["down_proj"]
+            tape.save("down_proj.copy", tape.new(2 * fan_in * fan_out))
         tape.drop(product, y2, h1)
         raise _Stop
     down = _linear(tape, spec, w, flags, "down_proj")
@@ -327,31 +392,41 @@ def _swiglu(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act.LayerFlags
     up = _linear(tape, spec, w, flags, "up_proj")
     tape.save("up", up)
     product = tape.new(ae_TI)
-    tape.save("product", product, flags.train_all and not w.mixed)
+    tape.save("product", product, flags.train_all)
     tape.drop(silu, up)
     return product
 
 
 def _linear_backward(tape: LayerTape, spec: ModelSpec, w: Workload, name: str, grad: int, trains: bool,
-                     grads: list[int], last_use: tuple[str, ...] = (), residual: bool = False) -> int:
+                     grads: list[int], last_use: tuple[str, ...] = (), residual: bool = False,
+                     sum_with: int | None = None) -> int:
     """One projection's backward, whose input gradient the events are told of (a tensor-parallel rank
-    all-reduces a column-parallel one)."""
-    g_in = _linear_grads(tape, spec, w, name, grad, trains, grads, last_use, residual)
+    all-reduces a column-parallel one) and then summed with `sum_with` (another projection's gradient of
+    the same input). Under autocast the weight cast's backward comes after that sum, as autograd runs it."""
+    low_weight_grad: list[int] = []
+    g_in = _linear_grads(tape, spec, w, name, grad, trains, grads, last_use, residual, low_weight_grad)
     tape.ev.projection(name, g_in, backward=True)
+    if sum_with is not None:
+        g_in = _sum(tape, _stream_numel_bytes(spec, w), sum_with, g_in)
+    if low_weight_grad:  # the weight cast's backward: the fp32 gradient
+        fan_in, fan_out = spec.layer_linear_shapes()[name]
+        grads.append(tape.new(4 * fan_in * fan_out))
+        tape.ev.free(low_weight_grad)
     return g_in
 
 
 def _linear_grads(tape: LayerTape, spec: ModelSpec, w: Workload, name: str, grad: int, trains: bool,
-                  grads: list[int], last_use: tuple[str, ...], residual: bool) -> int:
+                  grads: list[int], last_use: tuple[str, ...], residual: bool, low_weight_grad: list[int]) -> int:
     """The weight's gradient (if it trains), the input's gradient, LoRA's adapter chain when it has one.
     Frees `last_use` saves and the output's gradient, unless that is the residual stream's (`residual`),
-    which its sum still reads."""
+    which its sum still reads. Under autocast the bf16 weight gradient goes to `low_weight_grad`."""
     fan_in, fan_out = spec.layer_linear_shapes()[name]
     T = w.batch * w.seq
     if w.mixed:
-        if residual:  # autocast: the bf16 output's gradient is a cast of the stream's
-            grad = tape.new(2 * T * fan_out)
-        return _autocast_linear_backward(tape, name, T, fan_in, fan_out, grad, trains, grads, last_use)
+        if residual:  # autocast: the bf16 output's gradient is a cast of the stream's (made before a recomputation)
+            grad, tape.grad_cast = tape.grad_cast or tape.new(2 * T * fan_out), None
+        low_weight_grad += [tape.new(2 * fan_in * fan_out)] if trains else []
+        return _autocast_input_grad(tape, name, T, fan_in, grad, last_use)
     e = act.compute_bytes(w)
     if trains:
         grads.append(tape.new(DTYPE_BYTES[w.weight_dtype] * fan_in * fan_out))
@@ -374,20 +449,18 @@ def _done_with(tape: LayerTape, grad: int, last_use: tuple[str, ...], residual: 
     tape.ev.free([grad] if not residual else [])
 
 
-def _autocast_linear_backward(tape: LayerTape, name: str, T: int, fan_in: int, fan_out: int, grad: int,
-                              trains: bool, grads: list[int], last_use: tuple[str, ...]) -> int:
-    """bf16 autocast: the weight's gradient in bf16, then its cast's backward (fp32); the input's
-    gradient in bf16, then its cast's backward (fp32)."""
-    ev = tape.ev
-    if trains:
-        low = tape.new(2 * fan_in * fan_out)
-        grads.append(tape.new(4 * fan_in * fan_out))  # the weight cast's backward: the fp32 gradient
-        ev.free([low])
+def _autocast_input_grad(tape: LayerTape, name: str, T: int, fan_in: int, grad: int,
+                         last_use: tuple[str, ...]) -> int:
+    """bf16 autocast, after the bf16 weight gradient: the input's gradient in bf16; autograd then lets go
+    of the output's gradient, the weight's cast and the input's, and runs the input cast's backward (fp32)
+    where there is one (a bf16 input's gradient stays bf16)."""
     g_low = tape.new(2 * T * fan_in)
-    tape.release(f"{name}.cast", *last_use)
-    ev.free([grad])
-    g_in = tape.new(4 * T * fan_in)  # the input cast's backward
-    ev.free([g_low])
+    tape.ev.free([grad])
+    tape.release(f"{name}.copy", f"{name}.cast", *last_use)
+    if name in BF16_INPUT_LINEARS:
+        return g_low
+    g_in = tape.new(4 * T * fan_in)
+    tape.ev.free([g_low])
     return g_in
 
 
@@ -448,23 +521,27 @@ def _mlp_backward(tape: LayerTape, spec: ModelSpec, w: Workload, grads: list[int
     g_gate = tape.new(ae_TI)
     tape.release("gate")
     tape.ev.free([g_silu])
-    g_x_gate = _linear_backward(tape, spec, w, "gate_proj", g_gate, train_all, grads, ("norm2.out",))
-    g_norm2_out = _sum(tape, _stream_numel_bytes(spec, w), g_x_up, g_x_gate)
-    g_norm2_in = _layer_norm_backward(tape, spec, w, grads, g_norm2_out, "norm2")
-    g_h1 = _sum(tape, _stream_numel_bytes(spec, w), grad, g_norm2_in)
+    g_norm2_out = _linear_backward(tape, spec, w, "gate_proj", g_gate, train_all, grads, ("norm2.out",),
+                                   sum_with=g_x_up)
+    g_h1 = _layer_norm_backward(tape, spec, w, grads, g_norm2_out, "norm2", grad)
     tape.release("h2")
     return g_h1
 
 
 def _layer_norm_backward(tape: LayerTape, spec: ModelSpec, w: Workload, grads: list[int], grad: int,
-                         prefix: str) -> int:
-    """A decoder layer's RMSNorm backward, then its weight's gradient (when it trains)."""
+                         prefix: str, residual: int) -> int:
+    """A decoder layer's RMSNorm backward and its weight's gradient (when it trains), summed into the
+    stream's gradient `residual`: under autocast as autograd sums it, otherwise after."""
     train_all = act.layer_flags(w, tape.index).train_all
-    g_in = norm_backward(tape, w.batch * w.seq, spec.hidden_size, act.compute_bytes(w), w.mixed, train_all,
+    weight_bytes = DTYPE_BYTES[w.weight_dtype] * spec.hidden_size
+    if w.mixed:
+        return norm_backward(tape, w.batch * w.seq, spec.hidden_size, 4, True, train_all, grad, prefix=prefix,
+                             residual=residual, weight_grad=(weight_bytes, grads) if train_all else None)
+    g_in = norm_backward(tape, w.batch * w.seq, spec.hidden_size, act.compute_bytes(w), False, train_all,
                          grad, prefix=prefix)
     if train_all:
-        grads.append(tape.new(DTYPE_BYTES[w.weight_dtype] * spec.hidden_size))
-    return g_in
+        grads.append(tape.new(weight_bytes))
+    return _sum(tape, _stream_numel_bytes(spec, w), residual, g_in)
 
 
 def _attention_backward(tape: LayerTape, spec: ModelSpec, w: Workload, grads: list[int], g_h1: int) -> int:
@@ -475,19 +552,20 @@ def _attention_backward(tape: LayerTape, spec: ModelSpec, w: Workload, grads: li
     ae, rope_bytes = (2, 4) if w.mixed else (act.compute_bytes(w),) * 2
     g_attention = _linear_backward(tape, spec, w, "o_proj", g_h1, train_all, grads, ("o_proj.in",), residual=True)
     g_q, g_k, g_v = _sdpa_backward(tape, spec, w, g_attention)
-    g_k = _rope_backward(tape, rope_bytes * T * kv, ae * T * kv // 2, g_k)
-    g_q = _rope_backward(tape, rope_bytes * T * q, ae * T * q // 2, g_q)
+    if w.mixed:  # SDPA read bf16 casts of the fp32 RoPE outputs: the casts' backward, then RoPE's
+        g_q, g_k = _sum(tape, 4 * T * q, g_q), _sum(tape, 4 * T * kv, g_k)
+        g_k, g_q = _autocast_rope_backward(tape, 4 * T * kv, g_k), _autocast_rope_backward(tape, 4 * T * q, g_q)
+    else:
+        g_k = _rope_backward(tape, rope_bytes * T * kv, ae * T * kv // 2, g_k)
+        g_q = _rope_backward(tape, rope_bytes * T * q, ae * T * q // 2, g_q)
     g_x = _linear_backward(tape, spec, w, "v_proj", g_v, train_all, grads)
     g_k_flat = tape.new(ae * T * kv)  # the transposed gradient made contiguous
     tape.ev.free([g_k])
-    g_x = _sum(tape, _stream_numel_bytes(spec, w), g_x,
-               _linear_backward(tape, spec, w, "k_proj", g_k_flat, train_all, grads))
+    g_x = _linear_backward(tape, spec, w, "k_proj", g_k_flat, train_all, grads, sum_with=g_x)
     g_q_flat = tape.new(ae * T * q)
     tape.ev.free([g_q])
-    g_x = _sum(tape, _stream_numel_bytes(spec, w), g_x,
-               _linear_backward(tape, spec, w, "q_proj", g_q_flat, train_all, grads, ("norm1.out",)))
-    g_norm1_in = _layer_norm_backward(tape, spec, w, grads, g_x, "norm1")
-    return _sum(tape, _stream_numel_bytes(spec, w), g_h1, g_norm1_in)
+    g_x = _linear_backward(tape, spec, w, "q_proj", g_q_flat, train_all, grads, ("norm1.out",), sum_with=g_x)
+    return _layer_norm_backward(tape, spec, w, grads, g_x, "norm1", g_h1)
 
 
 def _sdpa_backward(tape: LayerTape, spec: ModelSpec, w: Workload, g_attention: int) -> tuple[int, int, int]:

@@ -120,6 +120,13 @@ def kept_matmul_outputs(spec: ModelSpec, w: Workload) -> list[tuple[str, int]]:
     return [(name, r512(_matmul_out_bytes(w, name) * T * fan_out)) for name, _fan_in, fan_out in saved_matmuls(spec, w)]
 
 
+def kept_outputs_of(spec: ModelSpec, w: Workload, names) -> int:
+    """What the policy keeps of the matmuls `names` (0 unless `--ac selective*`)."""
+    if not w.selective_ac:
+        return 0
+    return sum(size for name, size in kept_matmul_outputs(spec, w) if name in names)
+
+
 def selective_kept_bytes(spec: ModelSpec, w: Workload) -> int:
     """What one selectively checkpointed layer keeps beyond its input (0 unless `--ac selective*`)."""
     return sum(selective_kept_sizes(spec, w))

@@ -185,7 +185,7 @@ def frozen_base_copies(spec: ModelSpec, workload: Workload, copies: int) -> tupl
     where its matmul saves it (a plain layer whose input at that linear needs a gradient; never in a
     checkpointed layer), while every adapter's cast stays cached until the forward ends, and in backward
     only the adapters of plain layers keep theirs (lora_A's only where its input needs a gradient)."""
-    if not (workload.mixed and workload.task == "lora" and workload.quant == "none") or workload.liger \
+    if not (workload.mixed and workload.task == "lora" and workload.quant == "none") \
             or workload.compile or spec.is_moe:
         return None
     layer, L, K = layer_autocast_copy_bytes(spec), spec.num_layers, workload.ac_every
@@ -210,6 +210,21 @@ def _layer0_unsaved(workload: Workload) -> tuple[str, ...]:
         if set(stage) & set(workload.lora_targets):
             break
     return skip
+
+
+def checkpointed_mlp_copies(spec: ModelSpec, workload: Workload) -> int:
+    """Autocast's cached copies at the top checkpointed layer's MLP in forward (full fine-tuning): every layer's
+    up to it, less its down_proj's; the head's is not made yet."""
+    if not workload.mixed:
+        return 0
+    top = (spec.num_layers - 1) // workload.ac_every * workload.ac_every
+    return (top + 1) * layer_autocast_copy_bytes(spec) - layer_autocast_copy_bytes(spec, skip=tuple(
+        name for name in spec.layer_linear_shapes() if name != "down_proj"))
+
+
+def layer_adapter_cast_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """bf16 casts of one layer's adapters, lora_A's and lora_B's."""
+    return _adapter_casts(spec, workload, ()) + _adapter_casts(spec, workload, (), lora_b=True)
 
 
 def _adapter_casts(spec: ModelSpec, workload: Workload, skip: tuple[str, ...], lora_b: bool = False) -> int:
