@@ -436,6 +436,9 @@ def liger_checkpointing_rows() -> list[tuple[str, dict]]:
                               liger=True)),
         ("llama-3.1-8b", dict(task="lora", precision="bf16-mixed", optimizer="adamw", batch=1, seq=2048,
                               ac_every=2, liger=True, lora_targets=every)),
+        # no checkpointing, autocast, every linear adapted: the forward peaks at the top layer's down_proj LoRA
+        ("llama-3.2-1b", dict(task="lora", precision="bf16-mixed", optimizer="adamw", batch=2, seq=1024, liger=True,
+                              lora_targets=every)),
         # selective: the policy's kept outputs of down_proj wait in its cache until the recompute reaches them
         ("tinyllama-1.1b", dict(task="lora", precision="bf16", optimizer="adamw-fused", batch=8, seq=1024, ac_every=1,
                                 ac_mode="selective", liger=True)),

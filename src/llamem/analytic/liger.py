@@ -135,12 +135,12 @@ def liger_top_layer_forward(spec: ModelSpec, w: Workload, forward_activation_byt
     """Adapters under Liger: the frozen head makes the fused loss cheap (no weight gradient), so the
     forward's worst moment can be the top layer's down_proj: every saved tensor, plus the SwiGLU
     product (down_proj's input, never kept itself by a frozen or adapted down_proj), down_proj's output,
-    with a quantized base its dequantized weight, and with an adapted down_proj lora_B's fp32 output
-    and its scaled copy."""
+    with a quantized base its dequantized weight, and with an adapted down_proj lora_B's output and its
+    scaled copy (fp32; bf16 under autocast, with peft's fp32 cast of the product alive)."""
     T, h, I, e = w.batch * w.seq, spec.hidden_size, spec.intermediate_size, DTYPE_BYTES[w.compute_dtype]
     extra = r512(e * T * I) + r512(e * T * h)
     if w.quant != "none":
         extra += r512(e * h * I)
-    if "down_proj" in w.lora_targets:
-        extra += 2 * r512(4 * T * h)
+    if "down_proj" in w.lora_targets:  # under autocast lora_B's output is bf16, beside peft's fp32 cast of the product
+        extra += 2 * r512((2 if w.mixed else 4) * T * h) + (r512(4 * T * I) if w.mixed else 0)
     return {"activations": forward_activation_bytes + extra}
