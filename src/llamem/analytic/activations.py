@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from llamem.analytic.attention_paths import flash_saved_bytes, masked_cache_bytes, sdpa_masked, uncached_mask
-from llamem.analytic.common import r512, trains_base_weights
+from llamem.analytic.common import r512, top_checkpointed_layer, trains_base_weights
 from llamem.analytic.kv_cache import training_cache_bytes
 from llamem.analytic import llama4
 from llamem.analytic.moe import moe_input_readers, moe_saved_bytes
@@ -433,7 +433,7 @@ def checkpointed_mlp_forward_bytes(spec: ModelSpec, workload: Workload) -> int:
     `checkpointed_layer_held_bytes` holds and three MLP-sized tensors (Liger: gate, up and their product;
     transformers: silu(gate), up and the product). Without full logits (Liger) this is the forward's worst
     moment on most shapes."""
-    top = (spec.num_layers - 1) // workload.ac_every * workload.ac_every
+    top = top_checkpointed_layer(spec.num_layers, workload)
     T, I = workload.batch * workload.seq, spec.intermediate_size
     mlp = r512((2 if workload.mixed else compute_bytes(workload)) * T * I)
     # selective: what the policy kept of this layer so far beyond those three (down_proj's outputs come

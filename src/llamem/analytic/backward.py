@@ -6,7 +6,8 @@ the layers below keep their checkpoint inputs (or, not checkpointed, their saved
 has its full saved set back (recomputed; less the SwiGLU product, which down_proj's backward has
 freed), the gradients of the head and of the layers above exist, and the layer's own backward
 temporaries are alive: a residual-stream gradient and three MLP-sized ones. Memory is linear in
-i between the ends, so the top and the bottom layers are the candidates.
+i between the ends, so the top and the bottom layers are the candidates. Under Liger's kernels the layer's
+worst moment is its own (`liger_layer_backward`), taken at the top checkpointed layer.
 
 End of backward: every gradient; a tied head's gradient summation (autograd adds the head's and
 the embedding's gradients out of place).
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from llamem.analytic.activations import (adapted_down_proj_saved_bytes, checkpoint_mask_bytes, compute_bytes, rope_bytes,
                                          stream_bytes)
-from llamem.analytic.common import r512, trains_base_weights
+from llamem.analytic.common import r512, top_checkpointed_layer, trains_base_weights
 from llamem.analytic.llama4 import extra_mask_bytes
 from llamem.analytic.optimizer import layer_gradient_bytes
 from llamem.analytic.selective import kept_outputs_of, selective_kept_bytes
@@ -49,7 +50,7 @@ def checkpointed_backward_moments(spec: ModelSpec, w: Workload, gradient_total_b
     per_layer_copies, current_copies = _autocast_copies(spec, w, liger is not None)
     moments = []
     # Liger's plain top layer (every-K) has its own moment (`liger.liger_top_layer_backward`)
-    top = (spec.num_layers - 1) // w.ac_every * w.ac_every if liger else spec.num_layers - 1
+    top = top_checkpointed_layer(spec.num_layers, w) if liger else spec.num_layers - 1
     for index in (top, 0):
         checkpointed_below = -(-index // w.ac_every)
         plain_below = index - checkpointed_below
@@ -95,9 +96,9 @@ def liger_layer_backward(spec: ModelSpec, w: Workload, layer_saved_bytes: int) -
             return LigerLayerBackward(layer_saved_bytes, stream + mlp, 0)
         casts = r512(2 * spec.hidden_size * spec.intermediate_size) + r512(2 * w.batch * w.seq * spec.hidden_size)
         return LigerLayerBackward(layer_saved_bytes, stream + mlp + casts, own)
-    # the recompute's locals at that point: the MLP's input (the norm's output, kept by no frozen linear)
-    # and the product, unless an adapted down_proj keeps it
-    # and, selective, down_proj's outputs the policy keeps, handed back when the recompute reaches them
+    # the recompute's locals at that point: the MLP's input (the norm's output, kept by no frozen linear),
+    # the product unless an adapted down_proj keeps it, and, selective, down_proj's outputs the policy kept,
+    # handed back when the recompute reaches them
     cached = kept_outputs_of(spec, w, DOWN_PROJ_MATMULS)
     current = layer_saved_bytes + stream + (0 if "down_proj" in w.lora_targets else mlp) + cached
     adapted = set(w.lora_targets)

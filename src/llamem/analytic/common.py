@@ -42,3 +42,8 @@ def add_breakdowns(*parts: dict[str, int]) -> dict[str, int]:
             if value:
                 out[key] = get(key, 0) + value
     return out
+
+
+def top_checkpointed_layer(num_layers: int, workload: Workload) -> int:
+    """The highest checkpointed layer (`--ac every-K` checkpoints layers 0, K, 2K, ...)."""
+    return (num_layers - 1) // workload.ac_every * workload.ac_every

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llamem.analytic.activations import TrainingActivations, stream_bytes
+from llamem.analytic.common import top_checkpointed_layer
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.units import format_bytes
@@ -76,7 +77,7 @@ def offloaded_layer_moments(spec: ModelSpec, w: Workload, moments: list[dict[str
 def offloaded_mlp_forward_bytes(spec: ModelSpec, w: Workload, held_bytes: int) -> int:
     """`activations.checkpointed_mlp_forward_bytes` with the inputs of the layers below on the host, but
     layer 0's: the embedding's output lives on until the decoder returns."""
-    top = (spec.num_layers - 1) // w.ac_every * w.ac_every
+    top = top_checkpointed_layer(spec.num_layers, w)
     return held_bytes - max(top - 1, 0) * stream_bytes(w, spec)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from llamem.analytic.common import r512, tensor_bytes, trains_base_weights
+from llamem.analytic.common import r512, tensor_bytes, top_checkpointed_layer, trains_base_weights
 from llamem.analytic.moe_lora import expert_adapter_matrices, expert_copies_kept_bytes, lora_linear_targets
 from llamem.model import ModelSpec
 from llamem.workload import LOSS_CHUNKS, Workload
@@ -217,7 +217,7 @@ def checkpointed_mlp_copies(spec: ModelSpec, workload: Workload) -> int:
     up to it, less its down_proj's; the head's is not made yet."""
     if not workload.mixed:
         return 0
-    top = (spec.num_layers - 1) // workload.ac_every * workload.ac_every
+    top = top_checkpointed_layer(spec.num_layers, workload)
     return (top + 1) * layer_autocast_copy_bytes(spec) - layer_autocast_copy_bytes(spec, skip=tuple(
         name for name in spec.layer_linear_shapes() if name != "down_proj"))
 
