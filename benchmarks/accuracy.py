@@ -65,6 +65,7 @@ def matrix() -> list[tuple[str, dict]]:
     rows += selective_rows()
     rows += every_k_rows()
     rows += liger_checkpointing_rows()
+    rows += partial_lora_rows()
     rows += family_rows()
     rows += moe_rows()
     rows += llama4_rows()
@@ -444,6 +445,28 @@ def liger_checkpointing_rows() -> list[tuple[str, dict]]:
                                 ac_mode="selective", liger=True)),
         ("llama-3.2-1b", dict(task="lora", precision="bf16-mixed", optimizer="adamw", batch=2, seq=1024, ac_every=1,
                               ac_mode="selective", liger=True, lora_targets=every)),
+    ]
+
+
+def partial_lora_rows() -> list[tuple[str, dict]]:
+    """Adapters on some linears only, without checkpointing: a frozen layer 0 whose q, k and v are not adapted
+    saves no attention, so the training cache alone holds its K and V (`activations.cache_only_kv_bytes`), and
+    an fp32 o_proj's lora_A alone its input; under Liger an adapted down_proj's LoRA chain is the top layer's
+    worst backward moment (`liger.lora_chain_moment`), and a frozen head's chunks keep no hidden cast. The three
+    debug rows join the CI subset."""
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    return [
+        ("debug", dict(task="lora", precision="bf16-mixed", optimizer="adamw", batch=4, seq=512, liger=True,
+                       lora_targets=("down_proj",))),
+        ("debug", dict(task="lora", precision="fp32", optimizer="adamw", batch=2, seq=256, liger=True,
+                       lora_targets=("down_proj",))),
+        ("debug", dict(task="lora", precision="fp32", optimizer="adamw", batch=2, seq=256, lora_targets=("o_proj",))),
+        ("tinyllama-1.1b", dict(task="lora", precision="bf16-mixed", optimizer="adamw", batch=2, seq=1024,
+                                lora_targets=mlp)),
+        ("tinyllama-1.1b", dict(task="lora", precision="bf16-mixed", optimizer="adamw", batch=2, seq=1024, liger=True,
+                                lora_targets=("q_proj",))),
+        ("llama-3.2-1b", dict(task="lora", precision="bf16", optimizer="adamw", batch=2, seq=1024, liger=True,
+                              lora_targets=("down_proj",))),
     ]
 
 

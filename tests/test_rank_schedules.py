@@ -227,10 +227,12 @@ def test_tensor_parallel_schedule_adds_the_collectives_copies(config_path, tp_tr
         assert [e.size for e in events if e.action == "alloc" and e.size >= whole] == [whole] * 4
 
 
-@pytest.mark.parametrize(("flags", "own"), [(["--sharding", "ddp"], "DDP's gradient buckets"),
+@pytest.mark.parametrize(("flags", "own"), [(["--sharding", "ddp"], "DDP's broadcast and gradient buckets"),
                                             (["--sharding", "zero3", "--engine", "fsdp2"], "FSDP2's per-unit"),
                                             (["--tp", "2"], "tensor parallel's all-reduced"),
-                                            (["--sharding", "zero3"], None)])
+                                            (["--sharding", "zero3"], "DeepSpeed ZeRO-3's gathered"),
+                                            (["--sharding", "zero3", "--grad-accum", "2"], "DeepSpeed ZeRO-3's gathered"),
+                                            (["--sharding", "zero3", "--ac", "selective"], None)])
 def test_the_report_says_whose_schedule_its_reserved_memory_comes_from(config_path, capsys, flags, own):
     capsys.readouterr()
     assert main(["estimate", "--config", str(config_path), "--batch", "2", "--seq", "16", "--precision",
@@ -247,7 +249,7 @@ def test_layouts_without_a_rank_schedule_replay_the_single_gpu_one(config_path):
     kinds = {flags: rank_schedule_kind(spec, w, make_layout(spec, w, gpus=2, **dict(flags)))
              for flags in [(("sharding", "ddp"),), (("sharding", "zero3"), ("engine", "fsdp2")),
                            (("sharding", "zero2"),), (("sharding", "zero3"),), (("tp", 2),), (("pp", 2),)]}
-    assert list(kinds.values()) == ["ddp", "fsdp2", "zero2", None, "tp", "pipeline"]
+    assert list(kinds.values()) == ["ddp", "fsdp2", "zero2", "zero3", "tp", "pipeline"]
     # Up to two micro-batches per stage each stage replays its own schedule; past that it would cost more than
     # twice the whole model's one-GPU one (`schedule_pipeline.MICROBATCHES_PER_STAGE`): the first stage's share
     # replays as one GPU.
@@ -258,5 +260,5 @@ def test_layouts_without_a_rank_schedule_replay_the_single_gpu_one(config_path):
         assert layout.microbatches == accum
         kinds[accum] = rank_schedule_kind(spec, accumulated, layout)
     assert kinds == {2: "pipeline", 4: "pipeline", 5: None}
-    lora = build_workload("lora", **FIELDS)
-    assert rank_schedule_kind(spec, lora, make_layout(spec, lora, gpus=2)) is None
+    lora = build_workload("lora", **FIELDS)  # DDP's buckets on the adapters: tests/test_ddp_lora_schedule.py
+    assert rank_schedule_kind(spec, lora, make_layout(spec, lora, gpus=2)) == "ddp"

@@ -118,6 +118,19 @@ def test_zero3_code_configures_deepspeed_before_loading(capsys):
     assert "torchrun --nnodes 1 --nproc_per_node 8" in code
 
 
+def test_tensor_parallel_code_says_what_runs_it(capsys):
+    """A tensor-parallel plan: the Trainer code says it does not run that layout and where the bundle is, not DDP."""
+    assert main(["plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--gpus", "2", "--task", "train", "--batch", "8",
+                 "--seq", "4096", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    code, layout = data["final"]["code"], data["final"]["config"]["layout"]
+    assert layout["tp"] == 2 and layout["pp"] == 1
+    assert "DDP" not in code and "pipeline parallel" not in code
+    assert "# Tensor parallel x2: this Trainer code does not run the layout as sized" in code
+    assert "# Add --emit DIR to this plan command: it writes a torchrun bundle that runs it" in code
+    compile(code, "plan_code", "exec")
+
+
 def test_no_code_for_a_plan_that_does_not_fit(capsys):
     assert main(["plan", "llama-2-70b", "--gpu", "rtx-4090", "--task", "train", "--code"]) == 3
     assert "from_pretrained" not in capsys.readouterr().out

@@ -2,10 +2,11 @@
 `llamem.analytic.loss_parallel` says: traced on 2 gloo ranks, the head split over the vocabulary as the
 bundles split it, with the handlers' own ops counted.
 
-DTensor runs `loss_parallel`'s handlers inside the op's dispatch, where a TorchDispatchMode is off: the plain
-tracker sees each handler's result only. The trace here counts the ops of torch's local functions too
-(`_log_softmax`, `_nll_loss_and_log_softmax_backward`: the tracker entered again around each, as their
-caller would see them on a GPU), and takes the peak in forward and in the loss's backward.
+DTensor runs `loss_parallel`'s handlers inside the op's dispatch, where a TorchDispatchMode is off: a plain
+tracker sees each handler's result only. The bundles' tracker (`llamem.bundle.ranks.RankTracker`) counts the ops
+of torch's local functions too (`_log_softmax`, `_nll_loss_and_log_softmax_backward`: it enters itself again
+around each, as their caller would see them on a GPU); the trace here takes the peak in forward and in the
+loss's backward.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ CASES = [("bf16-mixed", False), ("bf16-mixed", True), ("fp32", False)]
 """(precision, whether the 16-bit logits stay alive through the loss, as a pipeline stage keeps its output)."""
 
 SCRIPT = r'''
-import json, os, sys
+import gc, json, os, sys
 import torch, torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -52,6 +53,7 @@ def traced_loss(tracker, precision, kept):
     parallelize_module(head, mesh, vocab_split, src_data_rank=None)
     mixed = precision == "bf16-mixed"
     tracker.track(head)  # its shard, made before: the transpose the matmul reads is a view of it
+    gc.collect()  # the last case's graph (a reference cycle through DTensor) must not die inside this one
     with tracker:
         hidden = torch.randn(B, S, H, requires_grad=True)  # the final norm's output, counted with the activations
         ids = torch.randint(0, V, (B, S))
@@ -80,21 +82,15 @@ def run(rank, port, out):
     from torch.distributed.tensor.parallel import loss as torch_loss
     from llamem.bundle.ranks import RankTracker
 
-    tracker = RankTracker()
+    tracker = RankTracker()  # it counts the handlers' own ops, as the bundles' CPU runs do
     fused = torch_loss._nll_loss_and_log_softmax_backward
-    log_softmax = torch_loss._log_softmax
 
-    def traced_log_softmax(*args):
-        with tracker:
-            return log_softmax(*args)
-
-    def traced_backward(*args):
-        with tracker:
-            result = fused(*args)
+    def marked_backward(*args):
+        result = fused(*args)
         tracker.loss_backward_peak = tracker.peak_bytes  # the loss's backward ends here
         return result
 
-    torch_loss._log_softmax, torch_loss._nll_loss_and_log_softmax_backward = traced_log_softmax, traced_backward
+    torch_loss._nll_loss_and_log_softmax_backward = marked_backward  # the tracker wraps it as it enters
     torch.manual_seed(0)
     figures = [traced_loss(tracker, precision, kept) for precision, kept in CASES]
     if rank == 0:

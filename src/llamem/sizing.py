@@ -110,7 +110,7 @@ def trace_report(spec: ModelSpec, w: Workload, teacher: ModelSpec | None = None,
 def device_notes(device, w: Workload, single_gpu: bool, traced: bool = False,
                  rank_kind: str | None = None, stage: int | None = None) -> list[str]:
     """`rank_kind`: the engine whose rank schedule gave the fragmentation ("ddp", "fsdp2", "tp", "zero1",
-    "zero2"), None for the single-GPU schedule (`llamem.analytic.schedule_ranks.rank_schedule_kind`); for
+    "zero2", "zero3"), None for the single-GPU schedule (`llamem.analytic.schedule_ranks.rank_schedule_kind`); for
     "pipeline", `stage` is the stage whose reserved memory the device figure is (`llamem.device.fragmented_stage`)."""
     from llamem.units import format_gib
 
@@ -125,18 +125,21 @@ def device_notes(device, w: Workload, single_gpu: bool, traced: bool = False,
     if rank_kind == "pipeline":
         notes.append(pipeline_schedule_note(stage))
     elif rank_kind:
-        what = {"ddp": "DDP's gradient buckets", "fsdp2": "FSDP2's per-unit all-gathers, reshards and reduce-scatters",
+        what = {"ddp": "DDP's broadcast and gradient buckets", "fsdp2": "FSDP2's per-unit all-gathers, reshards and reduce-scatters",
                 "tp": "tensor parallel's all-reduced outputs and input gradients, the whole-vocabulary embedding "
                       "gradient",
                 **{zero: f"DeepSpeed ZeRO-{zero[-1]}'s flat 16-bit buffer, fp32 partition, reduce bucket and "
-                          "gradient partition" for zero in ("zero1", "zero2")}}[rank_kind]
+                          "gradient partition" for zero in ("zero1", "zero2")},
+                "zero3": "DeepSpeed ZeRO-3's gathered parameters, prefetches and reduce bucket, flat 16-bit and fp32 "
+                         "partitions"}[rank_kind]
         notes.append(f"the fragmentation comes from this rank's own allocation schedule ({what}; NCCL's buffers are "
                      "outside PyTorch's allocator, counted in non-torch); no allocator advice for parallel layouts")
     elif not single_gpu:
         notes.append("the fragmentation comes from this GPU's share of the model replayed as one device (the "
                      "single-GPU schedule: ranks have their own only under DDP, FSDP2's ZeRO-3 and tensor parallel, "
-                     "DeepSpeed's ZeRO-1/2, and pipeline stages of an autocast Llama without checkpointing at up to "
-                     "two micro-batches per stage, for full training), with whole model states where ZeRO shards them "
+                     "DeepSpeed's ZeRO-1/2/3 in bf16, and pipeline stages of a dense Llama at up to two micro-batches "
+                     "per stage, for full training, and under DDP for LoRA), with whole model states where ZeRO shards "
+                     "them "
                      "and without ZeRO's buckets or a pipeline's micro-batches in flight: it errs on the large side "
                      "for ZeRO layouts; no allocator advice for parallel layouts")
     return notes

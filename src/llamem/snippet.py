@@ -119,12 +119,33 @@ def _launch_lines(plan: Plan) -> list[str]:
         nodes, per_node = _nodes(plan)
         wrapper = ("FSDP2 with the fsdp_config above" if layout.engine == "fsdp2" else
                    f"DeepSpeed ZeRO-{layout.sharding[-1]} above" if layout.sharding.startswith("zero") else "DDP")
+        if layout.tp > 1 or layout.pp > 1:
+            wrapper = "a model-parallel layout, below"
         lines.append(f"# Launch on {layout.num_gpus} GPUs: torchrun --nnodes {nodes} --nproc_per_node {per_node} "
                      f"(one process per GPU; {wrapper}).")
     if layout.tp > 1 or layout.pp > 1:
-        lines.append(f"# Tensor parallel x{layout.tp}, pipeline parallel x{layout.pp} ({layout.pipeline_schedule}, "
-                     f"{layout.microbatches} micro-batches): the Trainer does not split layers; the memory above "
-                     "assumes a Megatron-style engine (for example torchtitan).")
+        lines += _model_parallel_lines(plan)
+    return lines
+
+
+def _model_parallel_lines(plan: Plan) -> list[str]:
+    """Tensor or pipeline parallelism: what the Trainer cannot run as sized, and what runs it."""
+    from llamem.bundle.emit import bundle_runs  # text only, as this module
+
+    layout, w = plan.final.layout, plan.final.workload
+    parts = [f"tensor parallel x{layout.tp}"] if layout.tp > 1 else []
+    if layout.pp > 1:
+        parts.append(f"pipeline parallel x{layout.pp} ({layout.pipeline_schedule}, {layout.microbatches} "
+                     "micro-batches)")
+    lines = [f"# {' and '.join(parts).capitalize()}: this Trainer code does not run the layout as sized (the Trainer "
+             "splits no layers between", "# pipeline stages, and transformers' tp_plan keeps the embedding and the "
+             "logits whole on every GPU)."]
+    if bundle_runs("any")(plan.model, w, layout):
+        lines.append("# Add --emit DIR to this plan command: it writes a torchrun bundle that runs it (DTensor's tensor "
+                     "parallel, torch.distributed.pipelining).")
+    else:
+        lines.append("# Megatron-LM runs it (--engine megatron prints its arguments), or plan with --engine trainer for "
+                     "a layout this code runs.")
     return lines
 
 

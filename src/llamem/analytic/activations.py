@@ -162,8 +162,11 @@ def _linear_inputs_saved(spec: ModelSpec, workload: Workload, flags: LayerFlags,
     e, mixed = compute_bytes(workload), workload.mixed
     saved = _consumer_saved(T, h, e, mixed, flags, ("q_proj", "k_proj", "v_proj"), rank)
     if "o_proj" in flags.targets and not flags.train_all:
+        # peft's fp32 cast of a 16-bit input; an fp32 input is attention's output itself, which lora_A alone
+        # keeps where attention saves nothing (layer 0 with q, k and v frozen)
+        own_cast = e < 4 or not _attention_needs_grad(flags)
         saved += (_mixed_adapted_input_saved(T, spec.q_dim, rank) if mixed
-                  else (r512(4 * T * spec.q_dim) if e < 4 else 0) + r512(4 * T * rank))
+                  else (r512(4 * T * spec.q_dim) if own_cast else 0) + r512(4 * T * rank))
     readers = moe_input_readers(spec) if moe else ("gate_proj", "up_proj")
     return saved + _consumer_saved(T, h, e, mixed, flags, readers, rank)
 
@@ -423,9 +426,23 @@ def training_activations(spec: ModelSpec, workload: Workload, distill: bool = Fa
     # a checkpointed layer's backward has the largest kind's saved set back
     layer = largest_layer_saved_bytes(spec, workload)
     # Liger's RoPE leaves K in the compute dtype: the cache holds the very K attention keeps
-    cache = (0 if workload.liger else training_cache_bytes(spec, workload)) + masked_cache_bytes(spec, workload)
+    cache = ((0 if workload.liger else training_cache_bytes(spec, workload)) + masked_cache_bytes(spec, workload)
+             + cache_only_kv_bytes(spec, workload))
     return TrainingActivations(forward=saved + output + cache,
                                backward=saved + kept_output, layer=layer)
+
+
+def cache_only_kv_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """The training DynamicCache's K and V where attention saves neither: layer 0 under adapters that leave
+    q, k and v alone (its input needs no gradient), whose K and V the cache alone holds until the loss.
+    Elsewhere they are attention's saved tensors (under autocast without Liger the cache's K is an fp32
+    copy of its own, `training_cache_bytes`)."""
+    if (workload.ac_every or workload.loss != "full" or llama4.is_llama4(spec)
+            or _attention_needs_grad(layer_flags(workload, 0))):
+        return 0
+    T, e = workload.batch * workload.seq, compute_bytes(workload)
+    key_counted = workload.mixed and not workload.liger
+    return (0 if key_counted else r512(e * T * spec.kv_dim)) + r512(e * T * spec.kv_dim)
 
 
 def checkpointed_mlp_forward_bytes(spec: ModelSpec, workload: Workload) -> int:

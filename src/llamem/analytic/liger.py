@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llamem.analytic.activations import adapted_down_proj_saved_bytes
 from llamem.analytic.common import r512, trains_base_weights
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
@@ -72,9 +73,10 @@ def liger_bytes(spec: ModelSpec, w: Workload) -> LigerBytes:
     fixed = r512(4 * T) + r512(T) + _labels_bytes(w)
     logits = r512(e * rows * V)
     if w.mixed:
-        # first matmul of a chunk: the previous chunk's logits and hidden cast, this chunk's hidden
-        # cast, the weight view's copy and the new logits
-        first = 2 * logits + 2 * r512(2 * rows * h)
+        # first matmul of a chunk: the previous chunk's logits, this chunk's hidden cast, the weight view's
+        # copy and the new logits; with the head training also the previous chunk's hidden cast (the weight
+        # gradient's, a local), which a frozen head never makes (the matmul's own cast dies at once)
+        first = 2 * logits + (2 if head_trains else 1) * r512(2 * rows * h)
         return LigerBytes(kept, grad_weight, fixed + first, r512(2 * V * h))
     first = 2 * logits
     weight_part = (r512(e * V * h) + (r512(4 * V * h) if e < 4 else 0)) if head_trains else 0
@@ -100,7 +102,7 @@ def liger_top_layer_backward(spec: ModelSpec, w: Workload, saved_activation_byte
     in pure precision, its output the plain head would keep), the stream gradient (Liger's grad_input,
     handed on), the gradient of the SwiGLU product (T x I) and, when the base trains, the head's and the
     final norm's gradients and down_proj's: under autocast still its bf16 product (the fp32 gradient
-    comes after), with the stream gradient's bf16 cast."""
+    comes after). Under autocast also the stream gradient's bf16 cast, whether down_proj trains or not."""
     liger = liger_bytes(spec, w)
     T, h, I = w.batch * w.seq, spec.hidden_size, spec.intermediate_size
     wb, e = DTYPE_BYTES[w.weight_dtype], DTYPE_BYTES[w.compute_dtype]
@@ -110,14 +112,36 @@ def liger_top_layer_backward(spec: ModelSpec, w: Workload, saved_activation_byte
     if w.quant != "none":  # down_proj's dequantized weight, for its input's gradient
         temporaries += r512(e * h * I)
     freed = stream_bytes + r512(4 * T) + (stream_bytes if trains and not w.mixed else 0)
+    if w.quant == "none" and "down_proj" in w.lora_targets and not trains:
+        temporaries, lora_freed = lora_chain_moment(spec, w)
+        freed += lora_freed
+    elif w.mixed:  # the stream gradient's bf16 cast, which down_proj's matmuls read, frozen or not
+        temporaries += r512(2 * T * h)
     if trains:
         gradients += r512(wb * h)
         if w.mixed:
-            temporaries += r512(2 * h * I) + r512(2 * T * h)
+            temporaries += r512(2 * h * I)
         else:
             gradients += r512(wb * h * I)
     return {"activations": saved_activation_bytes - freed, "logits": liger.kept + held,
             "gradients": gradients, "temporaries": temporaries}
+
+
+def lora_chain_moment(spec: ModelSpec, w: Workload) -> tuple[int, int]:
+    """(temporaries, saved bytes let go) at an adapted down_proj's worst backward moment, lora_A's input
+    gradient (fp32 T x I: peft runs lora_A on its fp32 cast of the product), which its LoRA chain makes before
+    the frozen base's matmul. Under autocast lora_A's bf16 input cast and its output are let go by then, and
+    the gradient is being cast to bf16 for the product's, beside the stream gradient's bf16 cast. In pure
+    precision lora_A still holds its fp32 input, and lora_B's input gradient (fp32 T x r) and the base output's
+    gradient in the compute dtype are alive."""
+    T, h, I, rank = w.batch * w.seq, spec.hidden_size, spec.intermediate_size, w.lora_rank
+    gradient = r512(4 * T * I)
+    if DTYPE_BYTES[w.compute_dtype] == 4:  # no casts: lora_A keeps the product itself, let go with its gradient
+        # made; the worst is the sum of the chain's and the base's input gradients, three fp32 T x I
+        return 3 * gradient, adapted_down_proj_saved_bytes(spec, w)
+    if w.mixed:
+        return r512(2 * T * h) + gradient + r512(2 * T * I), adapted_down_proj_saved_bytes(spec, w)
+    return r512(DTYPE_BYTES[w.compute_dtype] * T * h) + r512(4 * T * rank) + gradient, 0
 
 
 LIGER_NUM_SMS = 132
@@ -138,7 +162,8 @@ def liger_top_layer_forward(spec: ModelSpec, w: Workload, forward_activation_byt
     with a quantized base its dequantized weight, and with an adapted down_proj lora_B's output and its
     scaled copy (fp32; bf16 under autocast, with peft's fp32 cast of the product alive)."""
     T, h, I, e = w.batch * w.seq, spec.hidden_size, spec.intermediate_size, DTYPE_BYTES[w.compute_dtype]
-    extra = r512(e * T * I) + r512(e * T * h)
+    adapted_fp32 = e == 4 and "down_proj" in w.lora_targets  # the product is lora_A's saved input itself
+    extra = (0 if adapted_fp32 else r512(e * T * I)) + r512(e * T * h)
     if w.quant != "none":
         extra += r512(e * h * I)
     if "down_proj" in w.lora_targets:  # under autocast lora_B's output is bf16, beside peft's fp32 cast of the product

@@ -7,7 +7,7 @@ forward, a checkpoint's recomputation (which stops at its last saved tensor) and
 backward (`schedule_train.py`), the loss in `ForCausalLMLoss` or torchtune's chunked order,
 the optimizer's state created in the first step. Two training steps are replayed so that the
 second sees the cache the first left. For LoRA, QLoRA, bf16 training with checkpointing and
-bf16 autocast training without it, it reserves what the traced replay reserves
+bf16 autocast training with or without it, it reserves what the traced replay reserves
 (tests/test_schedule.py); other modes are within a few per cent. Fragmentation from it is an
 estimate, and the report says so.
 """
@@ -311,17 +311,17 @@ def training_steps(spec: ModelSpec, w: Workload, ev: Events, head: list[int], ta
     embedding's gradient, the optimizer step (its state made in the first)."""
     for step in range(2):
         ev.mark("step", step)
-        step_inputs, embeds = _step_inputs(ev, spec, w)
+        ids, embeds, held = _step_inputs(ev, spec, w)
         kept: dict[int, list[int]] = {}  # selective checkpointing: what each checkpointed layer's policy keeps
         x, tapes, stream_end, inputs = _forward_layers(ev, spec, w, embeds, kept)
         grads, grad, tied_grad = _head_and_loss(ev, spec, w, x, embeds, tapes, stream_end, head)
-        grad = _backward_layers(ev, spec, w, tapes, inputs, embeds, grads, grad, kept)
+        grad = _backward_layers(ev, spec, w, tapes, inputs, grads, grad, kept, held)
         ev.mark("backward", "embed")
         tail_grads = ev.alloc(tail)  # the embedding's backward
         ev.mark("backward_done", "embed", tail_grads)
         ev.free([grad] + tied_grad)  # a tied head's two gradients are summed out of place
-        ev.free([embeds] if (w.ac_every or not _fp32_stream(w)) else [])
-        ev.free(step_inputs)
+        ev.free([embeds] if not (w.ac_every or _fp32_stream(w)) else [])  # else layer 0's frame or norm freed it
+        ev.free(ids)
         _optimizer_step(ev, w, grads + tail_grads, grad_sizes, state_sizes if step == 0 else [])
     return ev.events
 
@@ -336,20 +336,46 @@ def _fp32_stream(w: Workload) -> bool:
     return w.mixed or act.compute_bytes(w) == 4
 
 
-def _step_inputs(ev: Events, spec: ModelSpec, w: Workload) -> tuple[list[int], int]:
-    """Input ids, the embedding output; with checkpointing (no cache) the positions (the checkpoints
-    keep them) and, when it materialises the causal mask (`uncached_mask`), the mask. Returns (what
-    dies at the end of the step, the embedding output)."""
-    step_inputs = ev.alloc([r512(8 * w.batch * w.seq)])  # input ids
+def _step_inputs(ev: Events, spec: ModelSpec, w: Workload) -> tuple[list[int], int, list[int]]:
+    """Input ids, the embedding output; with checkpointing (no cache) the positions, the causal mask when it
+    is materialised (`uncached_mask`) and the rotary tables, which every checkpoint keeps as its arguments.
+    Returns (the ids, which die at the end of the step, the embedding output, what the checkpoints keep:
+    the first layer's recomputation lets go of it with the embedding output)."""
+    ids = ev.alloc([r512(8 * w.batch * w.seq)])
     ev.mark("forward", "embed")
     embeds = ev.alloc([_stream_bytes(spec, w)])[0]
     ev.projection("embed", embeds)
     ev.mark("forward_done", "embed")
-    if uncached_mask(w):
-        step_inputs += _causal_mask(ev, r512(w.batch * w.seq * w.seq))
+    held = _causal_mask(ev, r512(w.batch * w.seq * w.seq)) if uncached_mask(w) else []
     if w.ac_every:
-        step_inputs += ev.alloc([r512(8 * w.seq)])  # positions
-    return step_inputs, embeds
+        held += ev.alloc([r512(8 * w.seq)])  # positions
+        held += _rotary_tables(ev, spec, w)
+    return ids, embeds, held
+
+
+def _rotary_tables(ev: Events, spec: ModelSpec, w: Workload) -> list[int]:
+    """LlamaRotaryEmbedding's cos and sin for the step (traced on transformers 5.x), computed in fp32:
+    the positions as float, the inverse frequencies' fp32 copy (the buffer has the weights' dtype), their
+    product, its concatenation with itself, cos and sin each times the attention scaling, then both cast
+    to the hidden states' dtype (nothing under autocast: the stream is fp32). Returns (cos, sin)."""
+    half, full = r512(4 * w.seq * spec.head_dim // 2), r512(4 * w.seq * spec.head_dim)
+    made = ev.alloc([r512(4 * w.seq)])
+    if w.weight_dtype != "fp32":
+        made += ev.alloc([r512(4 * spec.head_dim // 2)])
+    freqs = ev.alloc([half])
+    ev.free(made)
+    emb = ev.alloc([full])
+    tables = []
+    for _ in ("cos", "sin"):
+        unscaled = ev.alloc([full])
+        tables += ev.alloc([full])
+        ev.free(unscaled)
+    stream_bytes = 4 if w.mixed else act.compute_bytes(w)
+    if stream_bytes < 4:
+        fp32_tables, tables = tables, ev.alloc([r512(stream_bytes * w.seq * spec.head_dim)] * 2)
+        ev.free(fp32_tables)
+    ev.free(freqs + emb)
+    return tables
 
 
 def _forward_layers(ev: Events, spec: ModelSpec, w: Workload, embeds: int, kept: dict[int, list[int]]
@@ -417,26 +443,26 @@ def _head_and_loss(ev: Events, spec: ModelSpec, w: Workload, x: int, embeds: int
 
 
 def _backward_layers(ev: Events, spec: ModelSpec, w: Workload, tapes: list[LayerTape | None],
-                     inputs: list[int | None], embeds: int, grads: list[int], grad: int,
-                     kept: dict[int, list[int]]) -> int:
+                     inputs: list[int | None], grads: list[int], grad: int,
+                     kept: dict[int, list[int]], held: list[int]) -> int:
     """Every layer's backward, top down; a checkpointed layer is recomputed first (up to its last
     saved tensor; selective checkpointing's kept outputs are handed to the recompute, freed here
-    and made again by it) and its input dies after its backward. Returns the embedding output's
-    gradient."""
+    and made again by it). Its checkpoint's frame keeps its input (and, the first layer's, `held`: what
+    every checkpoint keeps) until the recomputed input norm's backward lets go of it. Returns the
+    embedding output's gradient."""
     for index in reversed(range(spec.num_layers)):
         ev.mark("backward", index)
         tape = tapes[index]
         if tape is None:  # recompute the checkpointed layer (up to its last saved tensor)
             ev.free(kept.pop(index, []))
             tape = LayerTape(ev, index, recompute=True)
+            tape.frame = [inputs[index]] + (held if index == 0 else [])  # the last frame to die: theirs too
             if w.mixed:  # autograd casts the output's gradient for down_proj before the checkpoint recomputes
                 tape.grad_cast = ev.alloc([r512(2 * w.batch * w.seq * spec.hidden_size)])[0]
             output = forward_layer(tape, spec, w, index, [])
             ev.free([output] if output is not None else [])
         grad = backward_layer(tape, spec, w, grads, grad)
         ev.mark("backward_done", index, grads)
-        if inputs[index] is not None and inputs[index] != embeds:
-            ev.free([inputs[index]])
     return grad
 
 

@@ -36,8 +36,21 @@ Left out: the pipeline's and the step's 512-byte bookkeeping tensors (pickled sh
 mean, gradient clipping's norms). On the 2-stage CPU run of the launch bundle each stage's schedule reserves
 what the stage's recorded events reserve and peaks where they peak: with 2 micro-batches at the same bytes (the
 first stage one such 512-byte tensor lower; tests/test_bundle_pipeline.py); with 4 (1F1B's steady state) both
-stages at the same bytes (tests/test_pipeline_many_microbatches.py). Built for bf16/fp16 autocast with AdamW (foreach or fused) or SGD
-and untied embeddings without checkpointing (`schedule_ranks.rank_schedule_kind` says which layouts).
+stages at the same bytes (tests/test_pipeline_many_microbatches.py). Built for AdamW (foreach or fused) or SGD and
+untied embeddings (`pipeline_schedulable` says which layouts), under bf16/fp16 autocast, with or without every
+layer checkpointed, or in pure bf16:
+
+- checkpointed (non-reentrant): nothing saved in forward but each checkpoint's input (its layer's), the
+  positions, cos and sin; autocast's weight casts kept until the stage's forward returns; in backward each layer
+  recomputed up to its last saved tensor, as `schedule._backward_layers` does;
+- pure bf16: the stream, the sends and cos and sin (cast as RoPE returns) in bf16; SDPA keeps RoPE's K and
+  v_proj's V; no layer saves the stream it reads, so each layer's input dies after it (the first stage's
+  embedding output as the stage's forward returns); the head's matmul keeps the final norm's output.
+
+Each held to a 2-stage run (tests/test_pipeline_stage_schedules_more.py: the same reserved memory and peak).
+Tensor parallel inside the stages (the bundle's "tp+pp"): the same schedule on a rank's shards with its
+collectives and `loss_parallel` (`llamem.analytic.schedule_pipeline_tp`; its events' hooks here:
+`StageEvents.loss_forward`, `loss_backward`, `embedding_backward`).
 """
 
 from __future__ import annotations
@@ -94,8 +107,8 @@ class StageEvents(Events):
     """A stage's events: frees of kept buffers are dropped (autograd is done with them, the stage is not), and
     the last V projection is remembered (SDPA keeps it where the single-GPU schedule's cache copy was)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)  # a tensor-parallel rank's events come next (`TpStageEvents`)
         self.kept: set[int] = set()
         self.v_out: int | None = None
 
@@ -111,14 +124,46 @@ class StageEvents(Events):
         if name == "v_proj" and not backward:
             self.v_out = tensor
 
+    held_bytes = (512,)
+    """The stage's own small tensors, made at the wrap (PipelineStage's)."""
+
+    def embedding_backward(self, grad: int, stage_input: int | None, shard_bytes: int) -> list[int]:
+        """The first stage's embedding gradient from the first layer's input gradient `grad`; that gradient and
+        the embedding output (`stage_input`, None if let go of in forward) are let go of after it."""
+        made = self.alloc([shard_bytes])
+        self.free([grad] + ([stage_input] if stage_input is not None else []))
+        return made
+
+    def loss_forward(self, T: int, V: int) -> dict[str, int]:
+        """The loss on the logits' fp32 upcast (T x V; freed as the loss returns): the labels' copy, the log-
+        softmax, the loss and its total weight, which its backward (`loss_backward`) takes."""
+        upcast, labels, log_softmax = self.alloc([r512(4 * T * V), r512(8 * T), r512(4 * T * V)])
+        loss, total_weight = self.alloc([512, 512])
+        self.free([upcast])
+        return {"labels": labels, "log_softmax": log_softmax, "loss": loss, "total_weight": total_weight}
+
+    def loss_backward(self, saved: dict[str, int], T: int, V: int) -> int:
+        """nll_loss's and log_softmax's backward; returns the upcast's gradient (fp32 T x V)."""
+        nll_grad = self.alloc([r512(4 * T * V)])
+        self.free([saved["labels"], saved["total_weight"]])
+        softmax_grad = self.alloc([r512(4 * T * V)])
+        self.free(nll_grad + [saved["log_softmax"]])
+        return softmax_grad[0]
+
 
 @dataclass(kw_only=True, slots=True)
 class MicroBatch:
     """What one micro-batch's forward left for its backward."""
 
-    stage_input: int
-    tapes: list[LayerTape]
+    stage_input: int | None
+    """The receive buffer, or the first stage's embedding output (None once let go of: in pure precision nothing
+    saves it, and the stage's forward drops it as it returns)."""
+    tapes: list[LayerTape | None]
+    """Each layer's saved tensors (None: checkpointed, recomputed in backward)."""
     rope: list[int]
+    """cos and sin (and under checkpointing the positions, which the checkpoints keep too)."""
+    inputs: list[int] = field(default_factory=list)
+    """The checkpointed layers' inputs past the stage's own (each checkpoint keeps its input)."""
     output: int | None = None
     """A non-last stage's output, kept in `fwd_cache`."""
     head: dict[str, int] = field(default_factory=dict)
@@ -132,16 +177,21 @@ def layer_without_cache(ev: StageEvents, spec: ModelSpec, w: Workload, index: in
     start, stream_end = len(ev.events), []
     tape = LayerTape(ev, index)
     output = forward_layer(tape, spec, w, index, stream_end)
-    cache_k = stream_end[0]  # the fp32 K copy under autocast; V's copy is made right after it
-    gone, alive = {cache_k, cache_k + 1}, {ev.v_out}
+    # The cache's K copy (fp32 under autocast, where SDPA gets its bf16 cast: RoPE's K's in a stage) and V's copy,
+    # made right after it; in pure precision SDPA gets and keeps the copies: RoPE's K (made just before) in a stage.
+    cache_k = stream_end[0] if w.mixed else tape.saved["key"]
+    made = [e.addr for e in ev.events[start:] if e.action == "alloc"]
+    kept = {cache_k + 1: ev.v_out} | ({} if w.mixed else {cache_k: made[made.index(cache_k) - 1]})
+    gone, alive = {cache_k, cache_k + 1}, set(kept.values())
     ev.events[start:] = [e for e in ev.events[start:]
                          if e.addr not in gone and not (e.action == "free" and e.addr in alive)]
-    tape.saved = {name: ev.v_out if tensor == cache_k + 1 else tensor for name, tensor in tape.saved.items()}
+    tape.saved = {name: kept.get(tensor, tensor) for name, tensor in tape.saved.items()}
     return tape, output
 
 
 def rope_tables(ev: Events, spec: ModelSpec, w: Workload) -> tuple[list[int], list[int]]:
-    """LlamaRotaryEmbedding on the positions (fp32): (positions, [cos, sin])."""
+    """LlamaRotaryEmbedding on the positions (fp32, cast to the hidden states' dtype as it returns: 16-bit in pure
+    precision): (positions, [cos, sin])."""
     seq, hd = w.seq, spec.head_dim
     positions = ev.alloc([r512(8 * seq)])
     position_floats = ev.alloc([r512(4 * seq)])
@@ -153,7 +203,11 @@ def rope_tables(ev: Events, spec: ModelSpec, w: Workload) -> tuple[list[int], li
     sin_raw = ev.alloc([r512(4 * seq * hd)])
     sin = ev.alloc([r512(4 * seq * hd)])
     ev.free(sin_raw + freqs + [emb])
-    return positions, cos + sin
+    if w.mixed:
+        return positions, cos + sin
+    casts = ev.alloc([r512(DTYPE_BYTES[w.compute_dtype] * seq * hd)] * 2)
+    ev.free(cos + sin)
+    return positions, casts
 
 
 def forward_microbatch(ev: StageEvents, spec: ModelSpec, w: Workload, place: StagePlace, stage_input: int | None
@@ -162,53 +216,83 @@ def forward_microbatch(ev: StageEvents, spec: ModelSpec, w: Workload, place: Sta
     loss; `stage_input`: the receive buffer (None on the first stage: the embedding's output)."""
     if stage_input is None:
         stage_input = ev.alloc([hidden_bytes(spec, w)])[0]
+        ev.projection("embed", stage_input)
     positions, rope = rope_tables(ev, spec, w)
-    mb = MicroBatch(stage_input=stage_input, tapes=[], rope=rope)
-    x = stage_input
+    mb = MicroBatch(stage_input=stage_input, tapes=[], rope=rope + positions * bool(w.ac_every))
+    x, autocast_cache = stage_input, []
     for index in range(spec.num_layers):
-        tape, x = layer_without_cache(ev, spec, w, index)
+        if w.ac_every:  # the checkpoint keeps the layer's input; autocast's cache the weights' casts
+            tape, output = None, forward_layer(LayerTape(ev, index, no_grad=True), spec, w, index, autocast_cache)
+            mb.inputs += [x] if index else []
+        else:
+            tape, output = layer_without_cache(ev, spec, w, index)
+            ev.free([x] if index and not w.mixed else [])  # pure precision: no layer saves the stream it reads
         mb.tapes.append(tape)
+        x = output
     if place.last:
-        head_forward(ev, spec, w, mb)
+        head_forward(ev, spec, w, mb, x, autocast_cache)
     else:
-        mb.output = mb.tapes[-1].saved.pop("h2") if mb.tapes else x  # held by fwd_cache, not by autograd
-    ev.free(positions)
+        # held by fwd_cache, not by autograd (a checkpointed last layer saves nothing)
+        mb.output = mb.tapes[-1].saved.pop("h2", x) if mb.tapes and mb.tapes[-1] else x
+        ev.free(autocast_cache)  # the stage's autocast exits
+    if place.first and not (w.mixed or w.ac_every):
+        ev.free([mb.stage_input])
+        mb.stage_input = None
+    ev.free([] if w.ac_every else positions)
     return mb
 
 
-def head_forward(ev: StageEvents, spec: ModelSpec, w: Workload, mb: MicroBatch) -> None:
-    """The final norm, the head under autocast, and the loss forward: `cross_entropy(logits.float(), labels)`."""
-    T, h, V = w.batch * w.seq, spec.hidden_size, spec.vocab_size
+def recompute_layer(ev: StageEvents, spec: ModelSpec, w: Workload, index: int) -> LayerTape:
+    """A checkpointed layer's recomputation in backward, up to its last saved tensor (`schedule._backward_layers`
+    does the same for one GPU): under autocast the output gradient's cast for down_proj is made first."""
+    tape = LayerTape(ev, index, recompute=True)
+    if w.mixed:
+        tape.grad_cast = ev.alloc([r512(2 * w.batch * w.seq * spec.hidden_size)])[0]
+    output = forward_layer(tape, spec, w, index, [])
+    ev.free([output] if output is not None else [])
+    return tape
+
+
+def head_forward(ev: StageEvents, spec: ModelSpec, w: Workload, mb: MicroBatch, x: int,
+                 autocast_cache: list[int]) -> None:
+    """The final norm on the last layer's output `x`, the head (under autocast: the weight's and the input's casts;
+    its exit drops `autocast_cache`; in pure precision the matmul keeps the norm's output), and the loss forward:
+    `cross_entropy(logits.float(), labels)`."""
+    T, h, V, e = w.batch * w.seq, spec.hidden_size, spec.vocab_size, DTYPE_BYTES[w.compute_dtype]
     mb.final = LayerTape(ev, spec.num_layers)
-    hidden = norm_forward(mb.final, T, h, DTYPE_BYTES[w.compute_dtype], True, True, True, out_keep=False)
-    copy, cast, logits = ev.alloc([r512(2 * V * h), r512(2 * T * h), r512(2 * T * V)])
-    ev.free([hidden])
-    upcast, labels, log_softmax = ev.alloc([r512(4 * T * V), r512(8 * T), r512(4 * T * V)])
-    loss, total_weight = ev.alloc([512, 512])
-    ev.free([upcast])
-    mb.head = {"copy": copy, "cast": cast, "logits": logits, "labels": labels, "log_softmax": log_softmax,
-               "loss": loss, "total_weight": total_weight}
+    hidden = norm_forward(mb.final, T, h, e, w.mixed, True, True, out_keep=not w.mixed)
+    if mb.tapes and mb.tapes[-1] is None:  # a checkpointed last layer: the norm is what saves its output
+        mb.final.saved["norm.input"] = x
+    elif mb.tapes and not w.mixed:  # pure precision: the norm saves its own upcast; the output is let go of
+        ev.free([x])
+    casts = ev.alloc([r512(2 * V * h), r512(2 * T * h)]) if w.mixed else [None, None]
+    logits = ev.alloc([r512(e * T * V)])[0]
+    ev.free(([hidden] if w.mixed else []) + autocast_cache)
+    mb.head = {"copy": casts[0], "cast": casts[1], "logits": logits, **ev.loss_forward(T, V)}
 
 
 def head_backward(ev: StageEvents, spec: ModelSpec, w: Workload, mb: MicroBatch, grads: list[int]) -> int:
-    """The loss's backward, the head's (bf16 matmuls, fp32 casts of both gradients) and the final norm's;
-    returns the last layer's output gradient."""
-    T, h, V = w.batch * w.seq, spec.hidden_size, spec.vocab_size
+    """The loss's backward, the head's (under autocast bf16 matmuls, then fp32 casts of both gradients) and the
+    final norm's; returns the last layer's output gradient."""
+    T, h, V, e = w.batch * w.seq, spec.hidden_size, spec.vocab_size, DTYPE_BYTES[w.compute_dtype]
     saved = mb.head
-    mb.head["ones"] = ev.alloc([512])[0]  # the loss's gradient
-    nll_grad = ev.alloc([r512(4 * T * V)])
-    ev.free([saved["labels"], saved["total_weight"]])
-    softmax_grad = ev.alloc([r512(4 * T * V)])
-    ev.free(nll_grad + [saved["log_softmax"]])
-    logits_grad = ev.alloc([r512(2 * T * V)])
-    ev.free(softmax_grad)
-    weight_grad, input_grad = ev.alloc([r512(2 * V * h), r512(2 * T * h)])
-    ev.free(logits_grad + [saved["copy"], saved["cast"]])
-    input_fp32 = ev.alloc([r512(4 * T * h)])
-    ev.free([input_grad])
-    grads += ev.alloc([r512(DTYPE_BYTES[w.weight_dtype] * V * h)])
-    ev.free([weight_grad])
-    grad = norm_backward(mb.final, T, h, DTYPE_BYTES[w.compute_dtype], True, True, input_fp32[0])
+    saved["ones"] = ev.alloc([512])[0]  # the loss's gradient
+    upcast_grad = ev.loss_backward(saved, T, V)
+    logits_grad = ev.alloc([r512(e * T * V)])
+    ev.free([upcast_grad])
+    weight_grad, input_grad = ev.alloc([r512(e * V * h), r512(e * T * h)])
+    ev.free(logits_grad + [tensor for tensor in (saved["copy"], saved["cast"]) if tensor is not None])
+    mb.final.release("norm.out")
+    if w.mixed:
+        grad = ev.alloc([r512(4 * T * h)])[0]
+        ev.free([input_grad])
+        grads += ev.alloc([r512(DTYPE_BYTES[w.weight_dtype] * V * h)])
+        ev.free([weight_grad])
+    else:
+        grad = input_grad
+        grads.append(weight_grad)
+    ev.projection("lm_head", grad, backward=True)
+    grad = norm_backward(mb.final, T, h, e, w.mixed, True, grad)
     grads += ev.alloc([r512(DTYPE_BYTES[w.weight_dtype] * h)])
     mb.final.release_all()
     return grad
@@ -223,12 +307,14 @@ def backward_microbatch(ev: StageEvents, spec: ModelSpec, w: Workload, place: St
     start, grads = len(ev.events), []
     grad = head_backward(ev, spec, w, mb, grads) if place.last else grad_buffer
     for index in reversed(range(spec.num_layers)):
-        grad = backward_layer(mb.tapes[index], spec, w, grads, grad)
+        tape = mb.tapes[index] or recompute_layer(ev, spec, w, index)
+        grad = backward_layer(tape, spec, w, grads, grad)
+        ev.free(mb.inputs[index - 1:index] if index and mb.inputs else [])  # its checkpoint lets go of the input
         if index == 0:
             ev.free(mb.rope)  # the first layer's RoPE backward is the last use of cos and sin
     if place.first:
-        grads += ev.alloc([r512(DTYPE_BYTES[w.weight_dtype] * spec.embedding_params)])
-        ev.free([grad, mb.stage_input])
+        shard_bytes = r512(DTYPE_BYTES[w.weight_dtype] * spec.embedding_params)
+        grads += ev.embedding_backward(grad, mb.stage_input, shard_bytes)
         grad = None
     ev.free([mb.head["ones"]] if place.last else [])  # the loss's gradient dies with autograd's backward
     if accumulate:
@@ -265,8 +351,9 @@ def infer_shapes(ev: StageEvents, spec: ModelSpec, w: Workload, place: StagePlac
     if place.first and not place.last:
         ev.free(ev.alloc([hidden_bytes(spec, w)]))  # the ones of the output's gradient; no backward to ids
         for tape in reversed(mb.tapes):
-            tape.release_all()
-        ev.free(mb.rope + [mb.stage_input, mb.output])
+            if tape is not None:
+                tape.release_all()
+        ev.free(mb.rope + mb.inputs + [tensor for tensor in (mb.stage_input, mb.output) if tensor is not None])
     else:
         ones = [] if place.last else ev.alloc([hidden_bytes(spec, w)])
         sent, _grads = backward_microbatch(ev, spec, w, place, mb, ones[0] if ones else None, accumulate=True)
@@ -340,11 +427,13 @@ def stage_slice(items: list[int], place: StagePlace) -> list[int]:
     return items[:1] * place.first + items[1:-2] + items[-2:] * place.last
 
 
-def stage_schedule(spec: ModelSpec, w: Workload, place: StagePlace) -> list[AllocEvent]:
+def stage_schedule(spec: ModelSpec, w: Workload, place: StagePlace, ev: StageEvents | None = None
+                   ) -> list[AllocEvent]:
     """Two training steps of one stage (see the module): `spec` is the stage's share (its layers; embedding
-    and head are taken as `place` says)."""
-    ev = StageEvents()
-    ev.alloc(stage_slice(weight_tensor_sizes(spec, w), place) + [rope_buffer_bytes(spec) // 2] * 2 + [512])
+    and head are taken as `place` says); `ev`: a tensor-parallel rank's events (`TpStageEvents`)."""
+    ev = ev or StageEvents()
+    ev.alloc(stage_slice(weight_tensor_sizes(spec, w), place) + [rope_buffer_bytes(spec) // 2] * 2
+             + list(ev.held_bytes))
     grad_sizes = stage_slice(trainable_tensor_sizes(spec, w), place)
     state = optimizer_state_tensors(w, stage_slice(trainable_numels(spec, w), place), grad_sizes)
     tokens = place.microbatches * w.batch * w.seq
@@ -383,24 +472,35 @@ so 4 per stage would cost 15 s for a 70B; 2 keeps an estimate within about twice
 fallback costs in accuracy (peak reserved): 8B pp 2, M=4 108.51 GiB against the stage schedules' 107.56, M=8
 108.76 against 107.84, M=16 109.78 against 109.11; 70B pp 8, M=16 428.07 against 416.03. `llamem plan` never
 replays a stage schedule in `benchmarks/plan_speed.py` (its pipeline layouts are tp x8, pp and pure bf16:
-`pipeline_schedulable` needs tp 1 and autocast), nor in the 8B autocast plans tried on 2-8 GPUs (none confirms a
-pipeline layout), so the planner's speed does not depend on this limit."""
+`stage_step_held` takes pure bf16 on one GPU per stage only), nor in the 8B autocast plans tried on 2-8 GPUs
+(none confirms a pipeline layout), so the planner's speed does not depend on this limit."""
 
 
 def pipeline_schedulable(spec: ModelSpec, w: Workload, layout) -> bool:
     """Whether a stage of `layout` has its own schedule here: what the pipeline bundle runs (a dense Llama with
-    untied embeddings, one stage per GPU, autocast, the whole loss, no checkpointing) and the layer schedule
-    covers (SDPA, no biases, no padding, compile, fused kernels or offload)."""
+    untied embeddings, one stage per GPU or per tensor-parallel group, the whole loss) and the layer schedule
+    covers (SDPA, no biases, no padding, compile, fused kernels or offload; precision and checkpointing as
+    `stage_step_held` says)."""
     plain_model = (spec.model_type == "llama" and not spec.tie_word_embeddings and not spec.is_moe
                    and not spec.sliding_window and spec.qk_norm == "none"
                    and not (spec.attention_bias or spec.mlp_bias or spec.qkv_bias))
-    plain_layout = (layout.tp == 1 and layout.dp == 1 and layout.ep == 1 and layout.sharding == "none"
-                    and layout.offload == "none")
-    plain_step = (w.task == "train" and w.mixed and w.quant == "none" and w.optimizer in PIPELINE_OPTIMIZERS
+    plain_layout = layout.dp == 1 and layout.ep == 1 and layout.sharding == "none" and layout.offload == "none"
+    plain_step = (w.task == "train" and w.quant == "none" and w.optimizer in PIPELINE_OPTIMIZERS
                   and not (w.optimizer_in_backward or w.liger or w.offload_activations or w.compile
-                           or w.padding_free or w.ac_every)
+                           or w.padding_free)
                   and w.attn == "sdpa" and w.padding == "none" and w.loss == "full")
-    return plain_model and plain_layout and plain_step and pipeline_affordable(layout)
+    return plain_model and plain_layout and plain_step and stage_step_held(w, layout) and pipeline_affordable(layout)
+
+
+def stage_step_held(w: Workload, layout) -> bool:
+    """Whether a run holds the stage schedule to the workload's precision and checkpointing: bf16 or fp16
+    autocast without checkpointing, or with every layer's in full (what the bundle applies, `every_n_layers`
+    counting the model's layers where a stage counts its own) on one GPU per stage; pure bf16 without it on one
+    GPU per stage (tests/test_pipeline_stage_schedules_more.py holds both to 2-stage runs)."""
+    one_gpu_per_stage = layout.tp == 1
+    if w.ac_every:
+        return w.mixed and w.ac_every == 1 and not w.selective_ac and one_gpu_per_stage
+    return w.mixed or (w.precision == "bf16" and one_gpu_per_stage)
 
 
 def pipeline_affordable(layout) -> bool:
@@ -410,7 +510,12 @@ def pipeline_affordable(layout) -> bool:
 
 def pipeline_stage_schedule(spec: ModelSpec, w: Workload, layout, stage: int) -> list[AllocEvent]:
     """Stage `stage` of `layout` (`spec`: the first stage's share, ceil(L / p) layers, which every stage is
-    given: a stage with one layer fewer holds less of the same)."""
+    given: a stage with one layer fewer holds less of the same; under tensor parallel a rank's shard of it,
+    `llamem.analytic.schedule_pipeline_tp`)."""
     place = StagePlace(stage=stage, stages=layout.pp, microbatches=layout.microbatches,
                        schedule=layout.pipeline_schedule)
-    return stage_schedule(spec, w, place)
+    if layout.tp == 1:
+        return stage_schedule(spec, w, place)
+    from llamem.analytic.schedule_pipeline_tp import tp_stage_events  # it builds on this module
+
+    return stage_schedule(spec, w, place, tp_stage_events(spec, w, layout))

@@ -12,6 +12,12 @@ points where a data-parallel engine acts (`Events.mark`). A rank's events act th
   the order the gradients became ready (about reverse parameter order), a bucket closing once it reaches
   1 MiB for the first (`_DEFAULT_FIRST_BUCKET_BYTES`) and 25 MiB (bucket_cap_mb) for the others, the
   old ones freed first. The all-reduce works in place.
+  LoRA (peft's adapters, made before the wrap): the buckets hold the parameters that require a gradient, the
+  adapters (fp32, as peft keeps them); the broadcast is `broadcast_coalesced`'s (torch/csrc/distributed/c10d/
+  comm.cpp): every parameter, frozen ones too, then the buffers (RoPE's), in one bucket per dtype closing once it
+  reaches 250 MiB, in order of their first tensor, at most two flat copies in flight; before each forward the
+  buffers are broadcast again (forward_sync_buffers). Full training's broadcast is still sized as the parameters
+  alone, one flat copy in flight, each at most 250 MiB.
 - FSDP2 ZeRO-3 (`fully_shard` on the embedding, each decoder layer and [final norm, lm_head], with
   `MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=fp32)` under a mixed precision; torch
   2.13 `_fully_shard/_fsdp_param_group.py`, `_fsdp_collectives.py`): the rank holds its padded fp32
@@ -57,14 +63,18 @@ all-gather or, in some runs, just after it (then up to one unit's all-gather abo
   the shards too (not run by the bundle, which emits no 2-D meshes).
 
 - DeepSpeed ZeRO-1 and ZeRO-2 (the launch bundle's ds_config.json, bf16): `llamem.analytic.schedule_deepspeed`.
+- DeepSpeed ZeRO-3 (the same, bf16, any accumulation, no checkpointing or every layer's): the coordinator's gathers,
+  prefetches and kept parameters, the reduce bucket, the fp32 step (`llamem.analytic.schedule_zero3`).
 
 - Pipeline parallel (`torch.distributed.pipelining`, one stage per GPU, the launch bundle's): each stage's
   own schedule, its micro-batches in 1F1B or GPipe order (`llamem.analytic.schedule_pipeline`).
 
 Other layouts (pipeline stages beyond what `schedule_pipeline.pipeline_schedulable` covers, expert
-parallelism, ZeRO-3 under DeepSpeed, offload, adapters, distillation, Megatron-LM; tensor parallel with tied embeddings,
+parallelism, offload, adapters (but LoRA of a dense model under DDP), distillation,
+Megatron-LM; tensor parallel with tied embeddings,
 experts or the chunked loss; under FSDP2 experts and the chunked loss; under ZeRO-1/2 also tied embeddings,
-experts, the chunked loss, fp16 and fp32) replay the single-GPU schedule of the GPU's share
+experts, the chunked loss, fp16 and fp32; under DeepSpeed's ZeRO-3 also gradient accumulation, activation
+checkpointing, biases or q/k norms, and optimizers other than AdamW) replay the single-GPU schedule of the GPU's share
 (`rank_schedule_kind` says which; the report's notes say so).
 """
 
@@ -76,12 +86,14 @@ from typing import Literal
 from llamem.allocator.replay import AllocEvent
 from llamem.analytic.common import r512
 from llamem.analytic.loss_parallel import LossParallelEvents, runs_loss_parallel
+from llamem.analytic.moe_lora import lora_linear_targets
 from llamem.analytic.optimizer import has_step_temporaries
 from llamem.analytic.schedule import (Events, LiveEvents, optimizer_state_tensors, training_schedule,
                                      training_steps)
 from llamem.analytic.schedule_deepspeed import zero_rank_schedule
 from llamem.analytic.schedule_pipeline import pipeline_schedulable, pipeline_stage_schedule
-from llamem.analytic.weights import rope_buffer_bytes, trainable_numels, trainable_tensor_sizes
+from llamem.analytic.schedule_zero3 import zero3_rank_schedule, zero3_schedulable
+from llamem.analytic.weights import adapter_dtype, rope_buffer_bytes, trainable_numels, trainable_tensor_sizes
 from llamem.dtypes import DTYPE_BYTES
 from llamem.model import ModelSpec
 from llamem.parallel import Layout, fsdp2_layer_shapes
@@ -99,19 +111,22 @@ DDP_FIRST_BUCKET_BYTES = 1 << 20
 DDP_BUCKET_BYTES = 25 << 20
 """DistributedDataParallel's bucket_cap_mb=25."""
 BROADCAST_BUFFER_BYTES = 250 << 20
-"""DistributedDataParallel's broadcast_bucket_size: `_sync_module_states`' flat copies at most this large."""
+"""DistributedDataParallel's broadcast_bucket_size: the limit of `_sync_module_states`' flat copies."""
 
 
 def rank_schedule_kind(spec: ModelSpec, w: Workload, layout: Layout) -> str | None:
-    """"ddp", "fsdp2", "tp", "zero1" or "zero2" (`llamem.analytic.schedule_deepspeed`) where a rank's own schedule
-    is built, None where the GPU's share replays the single-GPU schedule."""
+    """"ddp", "fsdp2", "tp", "zero1" or "zero2" (`llamem.analytic.schedule_deepspeed`), "zero3"
+    (`llamem.analytic.schedule_zero3`) or "pipeline" where a rank's own schedule is built, None where the GPU's
+    share replays the single-GPU schedule."""
     if layout.engine == "megatron":  # Megatron-LM's own buffers and kernels: the GPU's share replays
         return None
     if layout.pp > 1:  # one stage per GPU: its own schedule (`llamem.analytic.schedule_pipeline`)
         return "pipeline" if pipeline_schedulable(spec, w, layout) else None
-    if (layout.num_gpus == 1 or layout.ep != 1 or layout.offload != "none"
-            or w.task != "train" or w.uses_adapters):
+    if layout.num_gpus == 1 or layout.ep != 1 or layout.offload != "none" or w.task not in ("train", "lora"):
         return None
+    if w.uses_adapters:  # LoRA on a dense model under DDP, what the bundle runs (QLoRA's base needs a GPU to run)
+        plain = layout.tp == 1 and layout.sharding == "ddp" and not spec.is_moe and w.quant == "none"
+        return "ddp" if plain else None
     if layout.tp > 1:  # what the tensor-parallel bundle runs: untied embeddings, dense layers, the whole loss
         plain = not spec.tie_word_embeddings and not spec.is_moe and w.loss != "chunked"
         return "tp" if plain and layout.sharding in ("none", "ddp") else None
@@ -124,6 +139,8 @@ def rank_schedule_kind(spec: ModelSpec, w: Workload, layout: Layout) -> str | No
             and not spec.is_moe and w.loss != "chunked" and w.compute_dtype == "bf16"
             and w.optimizer in ("adamw", "adamw-fused", "adamw-loop", "sgd")):
         return layout.sharding
+    if layout.sharding == "zero3" and layout.engine == "deepspeed" and zero3_schedulable(spec, w):
+        return "zero3"
     return None
 
 
@@ -132,8 +149,9 @@ def schedule_layout(spec: ModelSpec, w: Workload, layout: Layout) -> Layout | No
     depend on the number of ranks, so all DDP layouts name one, and a plan's probes are shared; a tensor-
     parallel rank's depends on the split (its `spec` is the share) and on whether it has replicas."""
     kind = rank_schedule_kind(spec, w, layout)
-    if kind == "pipeline":  # a stage's schedule: its place, the micro-batches and their order
-        return Layout(pp=layout.pp, pipeline_schedule=layout.pipeline_schedule, microbatches=layout.microbatches)
+    if kind == "pipeline":  # a stage's schedule: its place, the micro-batches and their order, its TP split
+        return Layout(pp=layout.pp, tp=layout.tp, pipeline_schedule=layout.pipeline_schedule,
+                      microbatches=layout.microbatches)
     if kind == "tp":  # the same for any number of replicas beyond one
         return Layout(dp=min(layout.dp, 2), tp=layout.tp, sharding=layout.sharding)
     return Layout(dp=2, sharding="ddp") if kind == "ddp" else layout if kind else None
@@ -153,6 +171,8 @@ def rank_schedule(spec: ModelSpec, w: Workload, layout: Layout, backend: Backend
         return tp_schedule(spec, w, layout)
     if kind in ("zero1", "zero2"):
         return zero_rank_schedule(spec, w, layout, backend=backend)
+    if kind == "zero3":
+        return zero3_rank_schedule(spec, w, layout, backend=backend)
     assert kind == "fsdp2", f"no rank schedule for {layout.describe()}"
     return fsdp2_schedule(spec, w, layout.dp, backend)
 
@@ -171,7 +191,8 @@ def ddp_bucket_bytes(grad_bytes: list[int], limits: list[int]) -> list[int]:
 
 
 def broadcast_chunks(param_bytes: list[int]) -> list[int]:
-    """`_broadcast_coalesced`' flat copies: parameters taken in order into chunks of at most 250 MiB."""
+    """Full training's broadcast as sized so far: the parameters taken in order into chunks of at most 250 MiB, one
+    in flight (see `DdpEvents.wrap`)."""
     chunks, size = [], 0
     for nbytes in param_bytes:
         if size and size + nbytes > BROADCAST_BUFFER_BYTES:
@@ -181,29 +202,104 @@ def broadcast_chunks(param_bytes: list[int]) -> list[int]:
     return chunks + ([r512(size)] if size else [])
 
 
+ModuleStates = tuple[list[tuple[int, str]], list[tuple[int, str]]]
+"""A module's (parameters, buffers), each tensor as (bytes, dtype), in the order DDP lists them."""
+
+
+def broadcast_buckets(states: list[tuple[int, str]]) -> list[int]:
+    """`broadcast_coalesced`' flat copies of `states` ((bytes, dtype) in order): `compute_bucket_assignment_by_size`
+    with one limit, a bucket per dtype closing once it reaches 250 MiB, the buckets in order of their first tensor."""
+    open_buckets: dict[str, tuple[int, int]] = {}  # dtype: (first tensor's index, bytes so far)
+    closed = []
+    for index, (nbytes, dtype) in enumerate(states):
+        first, size = open_buckets.pop(dtype, (index, 0))
+        if size + nbytes >= BROADCAST_BUFFER_BYTES:
+            closed.append((first, size + nbytes))
+        else:
+            open_buckets[dtype] = (first, size + nbytes)
+    return [r512(size) for _first, size in sorted(closed + list(open_buckets.values()))]
+
+
+def ddp_module_states(spec: ModelSpec, w: Workload) -> ModuleStates:
+    """(parameters, buffers) as `_sync_module_states` broadcasts them, (bytes, dtype) in `named_parameters()` order:
+    every parameter, frozen ones too: the embedding, each layer's own (an adapted projection's weight followed by
+    its LoRA A and B, in the adapters' dtype; the layer's norms last, as decoder layers register them), the final
+    norm, an untied head; the buffers: RoPE's inv_freq and original_inv_freq in fp32."""
+    storage, adapters = DTYPE_BYTES[w.weight_dtype], adapter_dtype(w)
+    shapes, targets = spec.layer_linear_shapes(), set(lora_linear_targets(w)) if w.uses_adapters else set()
+    states = [(storage * spec.embedding_params, w.weight_dtype)]
+    for index in range(spec.num_layers):
+        params = sorted(spec.layer_params(index), key=lambda param: param[0].count(".") == 1)
+        projections = [name.split(".")[-2] for name, _numel in params]
+        for position, (_name, numel) in enumerate(params):
+            states.append((storage * numel, w.weight_dtype))
+            proj = projections[position]
+            if proj in targets and proj not in projections[position + 1:]:  # after its weight and bias
+                fan_in, fan_out = shapes[proj]
+                states += [(DTYPE_BYTES[adapters] * w.lora_rank * n, adapters) for n in (fan_in, fan_out)]
+    states += [(storage * n, w.weight_dtype) for n in (spec.hidden_size, spec.lm_head_params) if n]
+    return states, [(DTYPE_BYTES["fp32"] * (spec.head_dim // 2), "fp32")] * 2
+
+
 class DdpEvents(Events):
-    """A DDP rank: the wrap's broadcast copies and first bucket, the buckets rebuilt at the second step."""
+    """A DDP rank: the wrap's broadcast copies and first bucket, the buffers' broadcast at each forward, the
+    buckets rebuilt at the second step's forward."""
 
-    def __init__(self, param_bytes: list[int]) -> None:
+    def __init__(self, param_bytes: list[int], states: ModuleStates | None = None, *,
+                 after_adapters: bool = False) -> None:
+        """`param_bytes`: what the buckets hold, the trainable parameters in order; `states`: the parameters and
+        buffers the wrap broadcasts (`ddp_module_states`; None: full training's `broadcast_chunks`);
+        `after_adapters`: the wrap waits for the schedule's next allocation, the adapters, which peft made
+        before DDP wrapped the model."""
         super().__init__()
-        self.param_bytes = param_bytes
+        self.param_bytes, self.states = param_bytes, states
         self.buckets: list[int] = []
+        self.after_adapters, self.wrap_pending = after_adapters, False
 
-    def mark(self, point: str, unit: int | str | None = None, grads: list[int] | None = None) -> None:
-        if point == "wrap":
+    def alloc(self, sizes: list[int], stream: int = 0) -> list[int]:
+        ids = super().alloc(sizes, stream)
+        if self.wrap_pending:
+            self.wrap_pending = False
+            self.wrap()
+        return ids
+
+    def broadcast(self, states: list[tuple[int, str]]) -> None:
+        """`broadcast_coalesced` (torch/csrc/distributed/c10d/comm.cpp): at most two flat copies in flight."""
+        in_flight: list[int] = []
+        for chunk in broadcast_buckets(states):
+            if len(in_flight) == 2:
+                self.free([in_flight.pop(0)])
+            in_flight += self.alloc([chunk])
+        self.free(in_flight)
+
+    def wrap(self) -> None:
+        if self.states is None:  # full training, as pinned so far (the module's docstring says what it leaves out)
             for chunk in broadcast_chunks(self.param_bytes):
                 self.free(self.alloc([chunk]))
-            self.buckets = self.alloc(ddp_bucket_bytes(self.param_bytes, [2**63]))
-        elif point == "step" and unit == 1:
-            self.free(self.buckets)
-            ready = list(reversed(self.param_bytes))
-            self.buckets = self.alloc(ddp_bucket_bytes(ready, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES]))
+        else:
+            self.broadcast(self.states[0] + self.states[1])
+        self.buckets = self.alloc(ddp_bucket_bytes(self.param_bytes, [2**63]))
+
+    def mark(self, point: str, unit: int | str | None = None, grads: list[int] | None = None) -> None:
+        if point == "wrap" and self.after_adapters:
+            self.wrap_pending = True
+        elif point == "wrap":
+            self.wrap()
+        elif point == "step":
+            if unit == 1:
+                self.free(self.buckets)
+                ready = list(reversed(self.param_bytes))
+                self.buckets = self.alloc(ddp_bucket_bytes(ready, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES]))
+            if self.states is not None:  # forward_sync_buffers: rank 0's buffers before each forward
+                self.broadcast(self.states[1])
 
 
 def ddp_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
-    """The single-GPU training schedule with DDP's broadcast and buckets (fp32 gradients under autocast)."""
-    element = DTYPE_BYTES[w.weight_dtype]
-    return training_schedule(spec, w, DdpEvents([element * n for n in trainable_numels(spec, w)]))
+    """The single-GPU training schedule with DDP's broadcasts and buckets. The buckets hold the parameters that
+    require a gradient: every parameter (fp32 under autocast), or the LoRA adapters (fp32, as peft keeps them)."""
+    element = DTYPE_BYTES[adapter_dtype(w) if w.uses_adapters else w.weight_dtype]
+    grads = [element * n for n in trainable_numels(spec, w)]
+    return training_schedule(spec, w, DdpEvents(grads, ddp_module_states(spec, w), after_adapters=w.uses_adapters))
 
 
 # Tensor parallel ------------------------------------------------------------------------------------

@@ -3,11 +3,13 @@
 Op by op through each decoder layer (the order traced on transformers 5.x and torch 2.13):
 forward keeps what autograd saves, by name, and frees the rest where the code drops it;
 inside a checkpoint nothing is saved, and its recomputation stops once the last saved
-tensor exists, as torch's non-reentrant checkpoint does; backward frees each saved tensor
-where autograd is done with it. Three modes: pure precision (bf16/fp16/fp32), bf16 autocast
-with fp32 weights (casts only of fp32 inputs; each linear's backward makes the bf16 gradients, lets go
-of what it saved, then runs the input cast's backward and the weight cast's), and LoRA/QLoRA on a
-frozen base.
+tensor exists, as torch's non-reentrant checkpoint does; a recomputed tensor dies as soon as the
+backward node that reads it has read it (an RMSNorm's normalised input before its weight's gradient
+is summed), and the checkpoint's frame, with the layer's input, in the input norm's backward;
+backward frees each saved tensor where autograd is done with it. Three modes: pure precision
+(bf16/fp16/fp32), bf16 autocast with fp32 weights (casts only of fp32 inputs; each linear's backward
+makes the bf16 gradients, lets go of what it saved, then runs the input cast's backward and the weight
+cast's), and LoRA/QLoRA on a frozen base.
 Used only to replay through the allocator simulator.
 """
 
@@ -37,6 +39,9 @@ class LayerTape:
         """What lives until the end of the model's forward (autocast's weight casts inside a checkpoint)."""
         self.grad_cast: int | None = None
         """Autocast: down_proj's bf16 cast of the stream's gradient, made before a checkpoint's recomputation."""
+        self.frame: list[int] = []
+        """A recomputation: what its checkpoint's frame keeps (the layer's input, the checkpoint's other
+        arguments), let go of where the recomputed input norm's backward lets go of that input."""
 
     def new(self, size: int) -> int | None:
         return self.ev.alloc([r512(size)])[0] if size > 0 else None
@@ -53,6 +58,10 @@ class LayerTape:
         """Autograd is done with these; a tensor saved under another name too stays."""
         tensors = [self.saved.pop(n) for n in names if n in self.saved]
         self.drop(*tensors)
+
+    def release_frame(self) -> None:
+        self.ev.free(self.frame)
+        self.frame = []
 
     def release_all(self) -> None:
         self.release(*list(self.saved))
@@ -104,6 +113,8 @@ def norm_backward(tape: LayerTape, T: int, h: int, e: int, mixed: bool, weight_t
     scaled = tape.new((e if low else 4) * T * h)  # grad * weight
     if weight_trains:
         by_normed = tape.new((e if low else 4) * T * h)  # grad * normed, summed into the weight's gradient
+        if tape.recompute:  # a checkpoint's recomputed tensor dies once the node has read it, not with the node
+            tape.release(f"{prefix}.cast", f"{prefix}.normed")
         if weight_grad is not None:
             weight_grad[1].append(tape.new(weight_grad[0]))
         ev.free([by_normed])
@@ -124,6 +135,8 @@ def norm_backward(tape: LayerTape, T: int, h: int, e: int, mixed: bool, weight_t
     ev.free(spread[2:0:-1])
     tape.release(f"{prefix}.upcast", f"{prefix}.input")
     ev.free(spread[:1])
+    if prefix == "norm1":  # a checkpoint's frame dies with the last of its recomputed tensors
+        tape.release_frame()
     total = tape.new(4 * T * h)
     ev.free([by_input, spread[3]])
     if not low:
@@ -302,7 +315,8 @@ def _attention_forward(tape: LayerTape, spec: ModelSpec, w: Workload, flags: act
     o = _linear(tape, spec, w, flags, "o_proj")
     tape.drop(attention, lse, mask, query, q_rot, key, value, k_rot, v_out, y)
     h1 = tape.new((4 if w.mixed else act.compute_bytes(w)) * T * spec.hidden_size)
-    tape.save("norm2.input" if w.mixed and not w.ac_every else "h1", h1, w.mixed or act.compute_bytes(w) == 4)
+    # An fp32 stream (autocast, fp32 compute): the post-attention norm saves h1 itself; its backward lets go of it.
+    tape.save("norm2.input", h1, w.mixed or act.compute_bytes(w) == 4)
     tape.drop(o)
     return h1
 
@@ -498,7 +512,6 @@ def backward_layer(tape: LayerTape, spec: ModelSpec, w: Workload, grads: list[in
     output's gradient and returns the input's; weight gradients go to `grads`."""
     g_h1 = _mlp_backward(tape, spec, w, grads, grad)
     g_in = _attention_backward(tape, spec, w, grads, g_h1)
-    tape.release("h1")
     tape.release_all()
     return g_in
 

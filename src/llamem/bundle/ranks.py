@@ -11,19 +11,27 @@ the storages ATen ops create (torch 2.13):
   torch/distributed/fsdp/_fully_shard/_fsdp_param.py); resizing a storage is no ATen op, so no
   dispatch mode sees it.
 
-`RankTracker` counts the local shards and follows storage resizes while it is active. It also
-keeps the highest live bytes between two `take_high_water()` calls, however often a monitor
-resets the peak at its phase boundaries.
+A tensor-parallel run's loss on the vocabulary shards (`loss_parallel`) is invisible too, but for
+its handlers' results: DTensor runs them inside the op's dispatch, where a dispatch mode is off.
+Their local functions (`_log_softmax` and the fused `_nll_loss_and_log_softmax_backward` in
+torch/distributed/tensor/parallel/loss.py) make the tokens x vocabulary / tp buffers a GPU holds.
+
+`RankTracker` counts the local shards, follows storage resizes and enters itself again around
+those two functions while it is active. It also keeps the highest live bytes between two
+`take_high_water()` calls, however often a monitor resets the peak at its phase boundaries.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from llamem.runtime.tracker import CpuMemoryTracker
 from llamem.trace.tracer import rounded
+
+LOSS_PARALLEL_FUNCTIONS = ("_log_softmax", "_nll_loss_and_log_softmax_backward")
+"""`loss_parallel`'s local functions whose ops a dispatch mode misses (run inside DTensor's handlers)."""
 
 
 def plain_tensors(tensor: torch.Tensor):
@@ -45,7 +53,9 @@ class RankTracker(CpuMemoryTracker):
     def __init__(self, *args, **kwargs) -> None:
         self._window_bytes = 0
         self.run_peak_bytes = 0
-        self._own_resize = None
+        self._depth = 0
+        """How many times the tracker is entered: the patches go in at the first and out at the last exit."""
+        self._restore: list = []
         super().__init__(*args, **kwargs)
 
     # Every update of the peak also raises the window's and the run's high-water marks.
@@ -74,28 +84,59 @@ class RankTracker(CpuMemoryTracker):
         for inner in plain_tensors(tensor):
             super().label(inner, category)
 
-    # Storage resizes ------------------------------------------------------------------------
+    # Storage resizes and loss_parallel's handlers -----------------------------------------
     def __enter__(self):
-        original = torch.UntypedStorage.resize_
-        tracker = self
-
-        def resize_(storage, size):
-            result = original(storage, size)
-            tracker._resized(storage, int(size))
-            return result
-
-        self._own_resize = torch.UntypedStorage.__dict__.get("resize_")  # normally inherited from StorageBase
-        torch.UntypedStorage.resize_ = resize_
+        self._depth += 1
+        if self._depth == 1:
+            self._patch_resize()
+            self._patch_loss_parallel()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            if self._own_resize is None:
-                del torch.UntypedStorage.resize_
-            else:
-                torch.UntypedStorage.resize_ = self._own_resize
+            self._depth -= 1
+            if self._depth == 0:
+                for restore in reversed(self._restore):
+                    restore()
+                self._restore.clear()
+
+    def _patch_resize(self) -> None:
+        original, tracker = torch.UntypedStorage.resize_, self
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            tracker._resized(storage, int(size))
+            return result
+
+        own = torch.UntypedStorage.__dict__.get("resize_")  # normally inherited from StorageBase
+        torch.UntypedStorage.resize_ = resize_
+        self._restore.append(lambda: delattr(torch.UntypedStorage, "resize_") if own is None
+                             else setattr(torch.UntypedStorage, "resize_", own))
+
+    def _patch_loss_parallel(self) -> None:
+        try:
+            from torch.distributed.tensor.parallel import loss as module
+        except ImportError:  # a torch without DTensor's loss_parallel
+            return
+        for name in LOSS_PARALLEL_FUNCTIONS:
+            original = getattr(module, name, None)
+            if original is not None:
+                setattr(module, name, self._visible(original))
+                self._restore.append(lambda name=name, original=original: setattr(module, name, original))
+
+    def _visible(self, function):
+        """`function` with its ops counted: the tracker entered again where DTensor's dispatch turned it off."""
+        tracker = self
+
+        def counted(*args, **kwargs):
+            if tracker in _get_current_dispatch_mode_stack():
+                return function(*args, **kwargs)
+            with tracker:
+                return function(*args, **kwargs)
+
+        return counted
 
     def _event(self, action: str, allocation) -> None:
         if allocation.size_bytes:  # a storage emptied by resize_(0) was freed then, not when it dies

@@ -65,10 +65,9 @@ AGREEMENT = {
              "final norm, head and loss on the last, its micro-batches in flight and receive buffers), each on its "
              "tensor-parallel shard, and reports the busiest. On 4 CPU ranks of a tiny Llama (tp 2 x pp 2, 4 layers, "
              "2 micro-batches) each rank held exactly its stage's shards once wrapped; the first stage peaked 0.7 % "
-             "above its figure, the last 4.8 % below it: llamem sizes the loss as torch's `loss_parallel` runs it, "
-             "three fp32 tokens x vocabulary/tp tensors beside the saved log-softmax in its fused backward, of "
-             "which CPU tracking sees one (DTensor computes them inside the op); with the other two added the run "
-             "is 0.3 % above it.",
+             "above its figure, the last 0.08 % above it, in the loss's backward: llamem sizes the loss as torch's "
+             "`loss_parallel` runs it, three fp32 tokens x vocabulary/tp tensors beside the saved log-softmax in its "
+             "fused backward (the CPU run counts them inside DTensor's handlers, as a GPU holds them).",
 }
 """How a rank's measured peak compares with the plan's allocated figure, per strategy (measured on CPU);
 "fsdp2-sized": with the figure of `--engine fsdp2`, for the FSDP2 bundles that accounting sizes."""

@@ -467,7 +467,9 @@ def wrap_deepspeed(plan: dict, module: CausalLMLoss, device: torch.device, args)
     config = json.loads((Path(__file__).resolve().parent / "ds_config.json").read_text())
     if args.cpu:
         # DeepSpeed's fused Adam needs CUDA and its CPU Adam a C++ build; torch's AdamW keeps the same state.
-        config["optimizer"]["params"]["torch_adam"] = True
+        # (Other optimizers come from torch.optim, which takes no such argument.)
+        if config["optimizer"]["type"] in ("Adam", "AdamW"):
+            config["optimizer"]["params"]["torch_adam"] = True
         # Its CPU communication backend builds a shared-memory collective (deepspeed_shm_comm, a C++ op,
         # minutes on a fresh machine) unless the op is marked incompatible; then gloo alone carries it.
         import deepspeed.ops
