@@ -230,19 +230,27 @@ class ZeroEvents(LiveEvents):
         return state[1:] if self.backend == "nccl" and state[:1] == [512] else state
 
 
-def wrap(ev: Events, spec: ModelSpec, w: Workload, part: ZeroPartition, backend: Backend) -> None:
-    """The engine's cast and move, the flat buffer, the fp32 master partition (see the module)."""
-    half, rope = DTYPE_BYTES[w.compute_dtype], [rope_buffer_bytes(spec) // 2] * 2
-    sizes = [r512(half * numel) for numel in part.param_numels]
+def cast_parameters(ev: Events, spec: ModelSpec, numels: list[int], half_bytes: int, backend: Backend) -> list[int]:
+    """The DeepSpeed engine's cast and move of every parameter (in module order) to the 16-bit dtype: their ids.
+    RoPE's fp32 buffers move as they are."""
+    sizes = [r512(half_bytes * numel) for numel in numels]
+    rope = [rope_buffer_bytes(spec) // 2] * 2
     if backend == "gloo":  # the fp32 model as the tracker counts it, then each parameter's 16-bit copy
-        originals = ev.alloc([r512(4 * numel) for numel in part.param_numels] + rope)[:len(sizes)]
+        originals = ev.alloc([r512(4 * numel) for numel in numels] + rope)[:len(sizes)]
         params = []
         for size, original in zip(sizes, originals):
             params += ev.alloc([size])
             ev.free([original])
-    else:  # moved already cast, module by module: RoPE's buffers after the final norm, before the head
-        params = ev.alloc(sizes[:-1] + rope + sizes[-1:])
-        params = params[:-3] + params[-1:]
+        return params
+    # Moved already cast, module by module: RoPE's buffers after the final norm, before the head.
+    params = ev.alloc(sizes[:-1] + rope + sizes[-1:])
+    return params[:-3] + params[-1:]
+
+
+def wrap(ev: Events, spec: ModelSpec, w: Workload, part: ZeroPartition, backend: Backend) -> None:
+    """The engine's cast and move, the flat buffer, the fp32 master partition (see the module)."""
+    half = DTYPE_BYTES[w.compute_dtype]
+    params = cast_parameters(ev, spec, part.param_numels, half, backend)
     padding = part.flat_numel - sum(part.param_numels)
     pad = ev.alloc([r512(half * padding)]) if padding else []
     ev.alloc([r512(half * part.flat_numel)])

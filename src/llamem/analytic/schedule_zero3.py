@@ -80,8 +80,8 @@ from llamem.allocator.replay import AllocEvent
 from llamem.analytic import activations as act
 from llamem.analytic.common import r512
 from llamem.analytic.schedule import LiveEvents, optimizer_state_tensors, training_steps
-from llamem.analytic.schedule_deepspeed import NORM_BYTES, micro_batches_per_step, unit_param_numels
-from llamem.analytic.weights import rope_buffer_bytes, trainable_tensor_sizes
+from llamem.analytic.schedule_deepspeed import NORM_BYTES, cast_parameters, micro_batches_per_step, unit_param_numels
+from llamem.analytic.weights import trainable_tensor_sizes
 from llamem.model import ModelSpec
 from llamem.parallel import Layout
 from llamem.workload import Workload, with_changes
@@ -531,23 +531,6 @@ class Zero3Events(LiveEvents):
 def partition_numels(numels: list[int], world: int) -> list[int]:
     """Each parameter's slice on a rank: ceil(numel / N) elements (the last rank's zero-padded)."""
     return [-(-numel // world) for numel in numels]
-
-
-def cast_parameters(ev: LiveEvents, spec: ModelSpec, numels: list[int], half_bytes: int, backend: Backend) -> list[int]:
-    """The DeepSpeed engine's cast and move of every parameter (in module order) to the 16-bit dtype: their ids.
-    RoPE's fp32 buffers move as they are."""
-    sizes = [r512(half_bytes * numel) for numel in numels]
-    rope = [rope_buffer_bytes(spec) // 2] * 2
-    if backend == "gloo":  # the fp32 model as the tracker counts it, then each parameter's 16-bit copy
-        originals = ev.alloc([r512(4 * numel) for numel in numels] + rope)[:len(sizes)]
-        params = []
-        for size, original in zip(sizes, originals):
-            params += ev.alloc([size])
-            ev.free([original])
-        return params
-    # Moved already cast, module by module: RoPE's buffers after the final norm, before the head.
-    params = ev.alloc(sizes[:-1] + rope + sizes[-1:])
-    return params[:-3] + params[-1:]
 
 
 def wrap(ev: Zero3Events, spec: ModelSpec, backend: Backend) -> None:
