@@ -4,8 +4,10 @@ The single-GPU schedule (`llamem.analytic.schedule`) walks a training step op by
 points where a data-parallel engine acts (`Events.mark`). A rank's events act there:
 
 - DDP (`torch/nn/parallel/distributed.py`, torch 2.13, the launch bundle's defaults): at wrap time
-  `_sync_module_states` broadcasts the parameters through one flat copy per 250 MiB
-  (`_broadcast_coalesced`), freed at once; then the reducer allocates its gradient buckets, one flat
+  `_sync_module_states` broadcasts every parameter (frozen ones too) and then the buffers (RoPE's) through
+  `broadcast_coalesced`'s flat copies (torch/csrc/distributed/c10d/comm.cpp: one bucket per dtype closing once it
+  reaches 250 MiB, in order of their first tensor, at most two copies in flight), and before each forward the
+  buffers again (forward_sync_buffers); then the reducer allocates its gradient buckets, one flat
   tensor per bucket (gradient_as_bucket_view=False: autograd's gradients are copied into them and back).
   The first buckets hold every parameter in one (`compute_bucket_size_limits`: no bucketing before the
   first step unless find_unused_parameters); at the second step's forward the reducer rebuilds them in
@@ -13,11 +15,7 @@ points where a data-parallel engine acts (`Events.mark`). A rank's events act th
   1 MiB for the first (`_DEFAULT_FIRST_BUCKET_BYTES`) and 25 MiB (bucket_cap_mb) for the others, the
   old ones freed first. The all-reduce works in place.
   LoRA (peft's adapters, made before the wrap): the buckets hold the parameters that require a gradient, the
-  adapters (fp32, as peft keeps them); the broadcast is `broadcast_coalesced`'s (torch/csrc/distributed/c10d/
-  comm.cpp): every parameter, frozen ones too, then the buffers (RoPE's), in one bucket per dtype closing once it
-  reaches 250 MiB, in order of their first tensor, at most two flat copies in flight; before each forward the
-  buffers are broadcast again (forward_sync_buffers). Full training's broadcast is still sized as the parameters
-  alone, one flat copy in flight, each at most 250 MiB.
+  adapters (fp32, as peft keeps them).
 - FSDP2 ZeRO-3 (`fully_shard` on the embedding, each decoder layer and [final norm, lm_head], with
   `MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=fp32)` under a mixed precision; torch
   2.13 `_fully_shard/_fsdp_param_group.py`, `_fsdp_collectives.py`): the rank holds its padded fp32
@@ -190,18 +188,6 @@ def ddp_bucket_bytes(grad_bytes: list[int], limits: list[int]) -> list[int]:
     return buckets + ([r512(size)] if size else [])
 
 
-def broadcast_chunks(param_bytes: list[int]) -> list[int]:
-    """Full training's broadcast as sized so far: the parameters taken in order into chunks of at most 250 MiB, one
-    in flight (see `DdpEvents.wrap`)."""
-    chunks, size = [], 0
-    for nbytes in param_bytes:
-        if size and size + nbytes > BROADCAST_BUFFER_BYTES:
-            chunks.append(r512(size))
-            size = 0
-        size += nbytes
-    return chunks + ([r512(size)] if size else [])
-
-
 ModuleStates = tuple[list[tuple[int, str]], list[tuple[int, str]]]
 """A module's (parameters, buffers), each tensor as (bytes, dtype), in the order DDP lists them."""
 
@@ -245,10 +231,9 @@ class DdpEvents(Events):
     """A DDP rank: the wrap's broadcast copies and first bucket, the buffers' broadcast at each forward, the
     buckets rebuilt at the second step's forward."""
 
-    def __init__(self, param_bytes: list[int], states: ModuleStates | None = None, *,
-                 after_adapters: bool = False) -> None:
+    def __init__(self, param_bytes: list[int], states: ModuleStates, *, after_adapters: bool = False) -> None:
         """`param_bytes`: what the buckets hold, the trainable parameters in order; `states`: the parameters and
-        buffers the wrap broadcasts (`ddp_module_states`; None: full training's `broadcast_chunks`);
+        buffers the wrap broadcasts (`ddp_module_states`);
         `after_adapters`: the wrap waits for the schedule's next allocation, the adapters, which peft made
         before DDP wrapped the model."""
         super().__init__()
@@ -273,11 +258,7 @@ class DdpEvents(Events):
         self.free(in_flight)
 
     def wrap(self) -> None:
-        if self.states is None:  # full training, as pinned so far (the module's docstring says what it leaves out)
-            for chunk in broadcast_chunks(self.param_bytes):
-                self.free(self.alloc([chunk]))
-        else:
-            self.broadcast(self.states[0] + self.states[1])
+        self.broadcast(self.states[0] + self.states[1])
         self.buckets = self.alloc(ddp_bucket_bytes(self.param_bytes, [2**63]))
 
     def mark(self, point: str, unit: int | str | None = None, grads: list[int] | None = None) -> None:
@@ -290,8 +271,7 @@ class DdpEvents(Events):
                 self.free(self.buckets)
                 ready = list(reversed(self.param_bytes))
                 self.buckets = self.alloc(ddp_bucket_bytes(ready, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES]))
-            if self.states is not None:  # forward_sync_buffers: rank 0's buffers before each forward
-                self.broadcast(self.states[1])
+            self.broadcast(self.states[1])  # forward_sync_buffers: rank 0's buffers before each forward
 
 
 def ddp_schedule(spec: ModelSpec, w: Workload) -> list[AllocEvent]:
@@ -315,8 +295,9 @@ class TpEvents(DdpEvents):
     gradient. A tensor replaced by a copy is freed where the schedule frees the original."""
 
     def __init__(self, param_bytes: list[int], replicas: int, whole_embedding_bytes: int,
-                 loss: LossParallelEvents | None = None) -> None:
-        super().__init__(param_bytes)
+                 loss: LossParallelEvents | None = None, states: ModuleStates = ([], [])) -> None:
+        """`states`: what DDP's wrap broadcasts when the rank has replicas (`ddp_module_states` of the share)."""
+        super().__init__(param_bytes, states)
         self.replicas, self.whole_embedding_bytes = replicas, whole_embedding_bytes
         self.sizes: dict[int, int] = {}
         self.replaced: dict[int, int] = {}
@@ -360,7 +341,8 @@ def tp_schedule(spec: ModelSpec, w: Workload, layout: Layout) -> list[AllocEvent
     element = DTYPE_BYTES[w.weight_dtype]
     whole = r512(element * spec.vocab_size * layout.tp * spec.hidden_size) if not spec.tie_word_embeddings else 0
     loss = LossParallelEvents(spec, w) if runs_loss_parallel(w, layout) else None
-    ev = TpEvents([element * n for n in trainable_numels(spec, w)], layout.dp, whole, loss)
+    states = ddp_module_states(spec, w) if layout.dp > 1 else ([], [])
+    ev = TpEvents([element * n for n in trainable_numels(spec, w)], layout.dp, whole, loss, states)
     return training_schedule(spec, w, ev)
 
 
